@@ -1,0 +1,60 @@
+"""rgpu: a remote GPU as a PyTorch device.
+
+    import torch, rgpu
+    x = torch.ones(4, device="rgpu")
+    print((x * 2).sum().item())   # 8.0, computed on the rgpu server
+
+Importing registers the "rgpu" device and never touches the network; the first use connects
+(to ``RGPU_SERVER``, or to an embedded local server when nothing is configured).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ._version import __version__
+from .errors import ConnectError, ConnectionLost, ProtocolViolation, RemoteError, RgpuError, SessionLost
+
+__all__ = [
+    "__version__",
+    "connect",
+    "disconnect",
+    "stats",
+    "session_info",
+    "RemoteTensor",
+    "RgpuError",
+    "RemoteError",
+    "ConnectError",
+    "ConnectionLost",
+    "SessionLost",
+    "ProtocolViolation",
+]
+
+# The server imports rgpu.protocol, which imports this package first; a server process must not
+# register the device (it would become the process's accelerator and break local CUDA autograd).
+_IN_SERVER = "rgpu_server" in sys.modules
+
+if not _IN_SERVER:
+    from . import _registration
+    from .current import connect, disconnect
+    from .current import get as _get_session
+    from .tensor import RemoteTensor
+
+    _registration.register()
+
+    def stats() -> dict:
+        """Counters of the current session: messages, waits, bytes_out, bytes_in, frames, wait_seconds.
+
+        A *message* is one op or request in the stream; a *wait* is a point where this process
+        blocked for the server's answer. Zeros when not connected.
+        """
+        session = _get_session()
+        if session is None:
+            return {"messages": 0, "waits": 0, "bytes_out": 0, "bytes_in": 0, "frames": 0, "wait_seconds": 0.0}
+        return session.stats()
+
+    def session_info() -> dict:
+        """What the server holds for this session: tensors, bytes, ops run (one wait)."""
+        from .current import current
+
+        return current().info()

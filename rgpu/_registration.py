@@ -1,0 +1,64 @@
+"""Registering "rgpu" with PyTorch. Private torch APIs are used here and nowhere else.
+
+`_setup_privateuseone_for_python_backend` renames PrivateUse1 to "rgpu" and installs the device
+guard and hooks that autograd needs (without the guard, backward on an rgpu tensor aborts the
+process). Factory functions reach PrivateUse1 kernels rather than `__torch_dispatch__` (they have
+no tensor argument to carry the Python key), so every aten factory gets a kernel here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import device_module, dispatch, tensor
+
+_libs: list[torch.library.Library] = []  # registrations die with their Library object
+_SKIP = ("sparse", "quantized", "mkldnn", "nested", "cudnn", "miopen", "_make_dep_token", "from_file", "fbgemm", "vulkan", "mps")
+
+
+def _factory_overloads() -> list:
+    """aten overloads that take a `device` and no tensor, and return tensors."""
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        name, _, overload = qualified[6:].partition(".")
+        if any(s in name for s in _SKIP):
+            continue
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        try:
+            op = getattr(packet, overload or "default")
+        except AttributeError:
+            continue
+        schema = op._schema
+        argtypes = [str(a.type) for a in schema.arguments]
+        if not any(a.name == "device" for a in schema.arguments):
+            continue
+        if any("Tensor" in t for t in argtypes):
+            continue
+        if not schema.returns or not all("Tensor" in str(r.type) for r in schema.returns):
+            continue
+        found.append(op)
+    return found
+
+
+def register() -> None:
+    if _libs:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(tensor.DEVICE_TYPE, backend_module=device_module.module)
+    tensor.DEVICE = torch.device(tensor.DEVICE_TYPE, 0)
+    lib = torch.library.Library("aten", "IMPL")
+    _libs.append(lib)
+    for op in _factory_overloads():
+        lib.impl(op, dispatch.factory(op), "PrivateUse1")
+    lib.impl("_copy_from", dispatch.copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", dispatch.copy_from_and_resize, "PrivateUse1")
+    # the default optimizers only take their fast foreach path for tensor types listed here
+    import torch.optim.optimizer as _opt
+
+    if tensor.RemoteTensor not in _opt._foreach_supported_types:
+        _opt._foreach_supported_types.append(tensor.RemoteTensor)

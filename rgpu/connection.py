@@ -1,0 +1,160 @@
+"""The websocket to one rgpu server: connect, handshake, a reader thread, thread-safe sends.
+
+This layer moves frames and nothing else; `rgpu.session` decides what they mean.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.sync.client import ClientConnection, connect
+
+from ._version import __version__
+from .errors import ConnectError
+from .protocol import (
+    DEFAULT_LIMITS,
+    PROTOCOL_VERSION,
+    Frame,
+    ProtocolError,
+    hello_frame,
+    parse_handshake,
+    version_mismatch,
+)
+
+HANDSHAKE_TIMEOUT = 30.0
+
+
+class _WideReadConnection(ClientConnection):
+    """Reads the socket 1 MiB at a time instead of 64 KiB: big downloads cost fewer wakeups."""
+
+    recv_bufsize = 1 << 20
+
+
+_CONNECT_PARAMS = set(inspect.signature(connect).parameters)
+
+
+def _connect_kwargs(token: str | None, open_timeout: float) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "compression": None,  # tensor bytes do not compress; deflate made uploads 10x slower
+        "max_size": DEFAULT_LIMITS.max_message,
+        "max_queue": 16,
+        "open_timeout": open_timeout,
+        "ping_interval": 20,
+        "ping_timeout": 60,
+        "close_timeout": 5,
+        "user_agent_header": f"rgpu/{__version__}",
+    }
+    if "create_connection" in _CONNECT_PARAMS:
+        kwargs["create_connection"] = _WideReadConnection
+    if "legacy" in _CONNECT_PARAMS:
+        kwargs["legacy"] = True  # a long-lived connection kept on an object, not a with-block
+    if "proxy" in _CONNECT_PARAMS:
+        kwargs["proxy"] = os.environ.get("RGPU_PROXY") or None
+    if token:
+        kwargs["additional_headers"] = {"Authorization": f"Bearer {token}"}
+    return kwargs
+
+
+class Connection:
+    """An open, handshaken websocket plus the thread that reads it."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        on_frame: Callable[[bytes], None],
+        on_close: Callable[[BaseException], None],
+        open_timeout: float = 10.0,
+        allow_version_mismatch: bool = False,
+    ) -> None:
+        self.url = url
+        try:
+            self.ws = connect(url, **_connect_kwargs(token, open_timeout))
+        except InvalidURI as e:
+            raise ConnectError(f"{url!r} is not a websocket URL (expected ws://host:port or wss://host:port): {e}") from None
+        except InvalidStatus as e:
+            status = e.response.status_code
+            if status in (401, 403):
+                raise ConnectError(
+                    f"the rgpu server at {url} rejected the token (HTTP {status}). Pass the server's "
+                    "token with rgpu.connect(url, token=...) or RGPU_TOKEN."
+                ) from None
+            raise ConnectError(f"{url} answered HTTP {status}; is that an rgpu server?") from None
+        except (OSError, InvalidHandshake, TimeoutError) as e:
+            raise ConnectError(
+                f"cannot reach an rgpu server at {url}: {e}. Start one with `rgpu-server` on the GPU "
+                "host (and an SSH tunnel if it is remote), or use rgpu.connect('local')."
+            ) from None
+        try:
+            self.ws.send(
+                hello_frame(
+                    {
+                        "protocol": PROTOCOL_VERSION,
+                        "torch": torch.__version__,
+                        "client": f"rgpu {__version__}",
+                    }
+                )
+            )
+            first = self.ws.recv(timeout=HANDSHAKE_TIMEOUT)
+            if isinstance(first, str):
+                raise ProtocolError("the server sent a text frame")
+            welcome = parse_handshake(first, Frame.WELCOME)
+        except (ConnectionClosed, ProtocolError, TimeoutError) as e:
+            self.ws.close()
+            raise ConnectError(f"the server at {url} did not complete the rgpu handshake: {e}") from None
+        if "refused" in welcome:
+            self.ws.close()
+            raise ConnectError(f"the rgpu server at {url} refused this client: {welcome['message']}")
+        problem = version_mismatch(torch.__version__, str(welcome.get("torch", "?")))
+        if problem and not allow_version_mismatch:
+            self.ws.close()
+            raise ConnectError(problem)
+        self.welcome = welcome
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self.closed = False
+        self._reader = threading.Thread(target=self._read_loop, name="rgpu-reader", daemon=True)
+        self._reader.start()
+
+    def _read_loop(self) -> None:
+        ws = self.ws
+        while True:
+            try:
+                frame = ws.recv()
+            except ConnectionClosed as e:
+                self.closed = True
+                self._on_close(e)
+                return
+            except Exception as e:  # anything else ends the connection too
+                self.closed = True
+                self._on_close(e)
+                return
+            if isinstance(frame, str):
+                continue
+            try:
+                self._on_frame(frame)
+            except Exception as e:
+                self.closed = True
+                self._on_close(e)
+                ws.close()
+                return
+
+    def send(self, data: bytes | list) -> None:
+        """Send one frame (a bytes, or a list of buffers sent as one fragmented message)."""
+        self.ws.send(data)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.ws.close()
+        except Exception:
+            pass
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout=5)

@@ -1,0 +1,104 @@
+"""The process's current session: `connect`, `disconnect`, and the lazy connect on first use."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+
+from .errors import ConnectError
+from .local_server import EmbeddedServer
+from .protocol import Kind
+from .session import Session
+
+log = logging.getLogger("rgpu")
+
+_current: Session | None = None
+_lock = threading.RLock()
+_pending_seed: int | None = None
+
+
+def announce(message: str) -> None:
+    """One line for the user: through logging when it is configured, else on stderr."""
+    if logging.getLogger().handlers or log.handlers:
+        log.info(message)
+    else:
+        print(f"rgpu: {message}", file=sys.stderr)
+
+
+def _normalise_url(url: str) -> str:
+    if "://" not in url:
+        url = "ws://" + url  # "host:port" shorthand
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in ("ws", "wss"):
+        raise ConnectError(f"rgpu servers are reached over ws:// or wss://, not {scheme}:// ({url})")
+    return url
+
+
+def connect(url: str | None = None, *, token: str | None = None, timeout: float = 10.0) -> Session:
+    """Connect to an rgpu server and make it the current session.
+
+    `url` is ``ws://host:port`` (or ``wss://``), ``host:port``, or ``"local"`` to start an embedded
+    server on this machine. Without `url`, ``RGPU_SERVER`` is used, and without that, ``"local"``.
+    `token` defaults to ``RGPU_TOKEN``. Connecting again ends the previous session, and with it
+    every rgpu tensor it held.
+    """
+    global _current
+    with _lock:
+        disconnect()
+        target = url or os.environ.get("RGPU_SERVER") or "local"
+        token = token or os.environ.get("RGPU_TOKEN") or None
+        if target == "local":
+            server = EmbeddedServer(device=os.environ.get("RGPU_LOCAL_DEVICE", "auto"))
+            try:
+                session = Session(server.url, token=token, open_timeout=timeout, local_process=server)
+            except BaseException:
+                server.stop()
+                raise
+            announce(
+                f"started an embedded rgpu server at {server.url} on {session.device} "
+                f"({session.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
+            )
+        else:
+            session = Session(_normalise_url(target), token=token, open_timeout=timeout)
+        if _pending_seed is not None:
+            session.post((Kind.SEED, _pending_seed))
+        _current = session
+        return session
+
+
+def disconnect() -> None:
+    """End the current session (its rgpu tensors become unusable) and stop an embedded server."""
+    global _current
+    with _lock:
+        session, _current = _current, None
+        if session is not None:
+            session.close()
+
+
+def current() -> Session:
+    """The current session, connecting on first use."""
+    session = _current
+    if session is None:
+        with _lock:
+            session = _current or connect()
+    return session
+
+
+def get() -> Session | None:
+    """The current session, or None; never connects."""
+    return _current
+
+
+def seed(value: int) -> None:
+    """Seed the server's generator for this session now, or at connect if not connected yet."""
+    global _pending_seed
+    with _lock:
+        _pending_seed = value
+        if _current is not None and not _current.closed:
+            _current.post((Kind.SEED, value))
+
+
+atexit.register(disconnect)

@@ -1,0 +1,74 @@
+"""The embedded server: an `rgpu-server` subprocess on a free loopback port, owned by this client.
+
+Used when nothing is configured (no `RGPU_SERVER`, no `rgpu.connect(url)`) and for
+`rgpu.connect("local")`. It exits when this process exits, even if this process is killed,
+because it watches its standard input, which only this process holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+from .errors import ConnectError
+
+log = logging.getLogger("rgpu")
+START_TIMEOUT = 120.0
+
+
+class EmbeddedServer:
+    """A running `python -m rgpu_server` child and its URL."""
+
+    def __init__(self, device: str = "auto") -> None:
+        fd, self.log_path = tempfile.mkstemp(prefix="rgpu-server-", suffix=".log")
+        self._log = os.fdopen(fd, "wb")
+        cmd = [
+            sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", "0",
+            "--device", device, "--announce", "--exit-with-stdin",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, close_fds=True
+        )
+        self.url = self._read_url()
+
+    def _read_url(self) -> str:
+        line: list[bytes] = []
+
+        def read() -> None:
+            assert self.process.stdout is not None
+            line.append(self.process.stdout.readline())
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(START_TIMEOUT)
+        text = line[0].decode().strip() if line else ""
+        if not text.startswith("RGPU_SERVER="):
+            self.stop()
+            try:
+                with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                    tail = f.read()[-2000:]
+            except OSError:
+                tail = ""
+            raise ConnectError(f"the embedded rgpu server did not start. Its log ({self.log_path}):\n{tail}")
+        return text.split("=", 1)[1]
+
+    def stop(self) -> None:
+        p = self.process
+        if p.poll() is None:
+            try:
+                if p.stdin:
+                    p.stdin.close()  # the server exits when its stdin closes
+                p.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                p.kill()
+                p.wait(timeout=5)
+        for f in (p.stdout, self._log):
+            try:
+                if f:
+                    f.close()
+            except OSError:
+                pass

@@ -1,0 +1,222 @@
+"""Frames and messages: what one websocket message holds, built and parsed without I/O.
+
+A websocket message is a *frame*. Its first byte says what it is:
+
+* ``HELLO`` / ``WELCOME`` / ``REFUSE`` -- the handshake, a msgpack map each.
+* ``BATCH`` (client to server) -- the sequence number of its first message, then messages back to
+  back; message *i* of the batch has sequence number ``first_seq + i``.
+* ``CHUNK`` (client to server) -- raw tensor bytes belonging to an UPLOAD message.
+* ``REPLY`` (server to client) -- the answer to one waited message.
+* ``DATA`` (server to client) -- raw tensor bytes belonging to a DOWNLOAD reply.
+
+A *message* is a msgpack array whose first item is its kind (`Kind`).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from .codec import DEFAULT_LIMITS, Limits, check_depth, default_ext_hook, make_unpacker, unpack_one
+from .errors import LimitExceeded, ProtocolError
+
+PROTOCOL_VERSION = 1
+
+
+class Frame(IntEnum):
+    BATCH = 0x01
+    CHUNK = 0x02
+    REPLY = 0x11
+    DATA = 0x12
+    HELLO = 0x20
+    WELCOME = 0x21
+    REFUSE = 0x22
+
+
+class Kind(IntEnum):
+    """Message kinds. Waited kinds get exactly one REPLY; the others get none."""
+
+    RUN = 1  # [RUN, op, args, kwargs, out_ids, expect?]
+    RUN_DYN = 2  # waited: [RUN_DYN, op, args, kwargs, out_ids] -> output metadata / values
+    UPLOAD = 3  # [UPLOAD, dst_ref, host] or [UPLOAD, dst_ref, [dtype, shape, nbytes]] + CHUNKs
+    DOWNLOAD = 4  # waited: [DOWNLOAD, ref] -> bytes, or [nbytes] after DATA frames
+    FREE = 5  # [FREE, [ids]]
+    SEED = 6  # [SEED, seed]
+    SYNC = 7  # waited: [SYNC]
+    INFO = 8  # waited: [INFO] -> map of session and server facts
+    RNG_GET = 9  # waited: [RNG_GET] -> bytes
+    RNG_SET = 10  # [RNG_SET, bytes]
+    COMPILE = 16  # reserved for graph shipping
+    CALL = 17  # reserved for graph shipping
+    ACK = 18  # reserved: waited no-op that acknowledges everything before it
+
+
+WAITED = frozenset({Kind.RUN_DYN, Kind.DOWNLOAD, Kind.SYNC, Kind.INFO, Kind.RNG_GET, Kind.ACK})
+
+
+class Status(IntEnum):
+    OK = 0
+    ERROR = 1  # value: [op_label, message] -- a remote failure; the session carries on
+    PROTOCOL = 2  # value: message -- the server could not understand what it got
+
+
+class CloseCode(IntEnum):
+    """Websocket close codes rgpu uses (4000-4999 are the application's)."""
+
+    PROTOCOL_ERROR = 4002
+    VERSION_MISMATCH = 4001
+    BAD_HELLO = 4003
+
+
+_SEQ_OFF = struct.Struct("<QQ")
+_BATCH = bytes((Frame.BATCH,))
+_REPLY = bytes((Frame.REPLY,))
+
+
+def frame_kind(frame: bytes | bytearray | memoryview) -> Frame:
+    if not frame:
+        raise ProtocolError("empty frame")
+    try:
+        return Frame(frame[0])
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {frame[0]}") from None
+
+
+# -- batches -------------------------------------------------------------------------------------
+
+
+def batch_frame(first_seq: int, encoded_messages: list[bytes]) -> bytes:
+    """Join already-encoded messages into one BATCH frame."""
+    return b"".join((_BATCH, msgpack.packb(first_seq), *encoded_messages))
+
+
+class BatchReader:
+    """Iterates the messages of a BATCH frame one at a time.
+
+    Lazy on purpose: the server resolves tensor references while decoding a message, so message
+    *i* must be decoded only after message *i - 1* ran.
+    """
+
+    def __init__(self, frame: bytes, limits: Limits = DEFAULT_LIMITS, ext_hook=default_ext_hook):
+        if len(frame) > limits.max_message:
+            raise LimitExceeded(f"frame of {len(frame)} bytes exceeds the limit of {limits.max_message}")
+        if not frame or frame[0] != Frame.BATCH:
+            raise ProtocolError("not a BATCH frame")
+        self._limits = limits
+        self._unpacker = make_unpacker(limits, ext_hook)
+        self._unpacker.feed(memoryview(frame)[1:])
+        first = self._next()
+        if first is None or type(first) is not int or first < 1:
+            raise ProtocolError("BATCH frame must start with a positive sequence number")
+        self.first_seq: int = first
+
+    def _next(self) -> Any:
+        try:
+            return self._unpacker.unpack()
+        except msgpack.OutOfData:
+            return None
+        except ProtocolError:
+            raise
+        except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
+            raise ProtocolError(f"malformed message in batch: {e}") from None
+
+    def __iter__(self) -> Iterator[list]:
+        depth = self._limits.max_depth
+        while True:
+            msg = self._next()
+            if msg is None:
+                return
+            if type(msg) is not list or not msg or type(msg[0]) is not int:
+                raise ProtocolError("a message must be an array that starts with its kind")
+            check_depth(msg, depth)
+            yield msg
+
+
+# -- raw chunks ----------------------------------------------------------------------------------
+
+
+def chunk_frame(kind: Frame, seq: int, offset: int, data: bytes | memoryview) -> list:
+    """A CHUNK or DATA frame as a list of buffers (send them joined, or one after another)."""
+    return [bytes((kind,)) + _SEQ_OFF.pack(seq, offset), data]
+
+
+def parse_chunk(frame: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int, memoryview]:
+    """Split a CHUNK/DATA frame into (seq, offset, payload view)."""
+    if len(frame) < 17:
+        raise ProtocolError("chunk frame is truncated")
+    if len(frame) - 17 > limits.max_chunk:
+        raise LimitExceeded(f"chunk of {len(frame) - 17} bytes exceeds the limit of {limits.max_chunk}")
+    seq, offset = _SEQ_OFF.unpack_from(frame, 1)
+    return seq, offset, memoryview(frame)[17:]
+
+
+# -- replies -------------------------------------------------------------------------------------
+
+
+def reply_frame(packer_pack, seq: int, status: Status, value: Any) -> bytes:
+    """A REPLY frame; `packer_pack` is an Encoder's encode (so ext types work)."""
+    return _REPLY + packer_pack([seq, int(status), value])
+
+
+def parse_reply(frame: bytes, limits: Limits = DEFAULT_LIMITS, ext_hook=default_ext_hook) -> tuple[int, Status, Any]:
+    value = unpack_one(memoryview(frame)[1:], limits, ext_hook)
+    if type(value) is not list or len(value) != 3 or type(value[0]) is not int:
+        raise ProtocolError("a reply must be [seq, status, value]")
+    try:
+        status = Status(value[1])
+    except ValueError:
+        raise ProtocolError(f"unknown reply status {value[1]!r}") from None
+    return value[0], status, value[2]
+
+
+# -- handshake -----------------------------------------------------------------------------------
+
+
+def hello_frame(info: dict) -> bytes:
+    return bytes((Frame.HELLO,)) + msgpack.packb(info, use_bin_type=True)
+
+
+def welcome_frame(info: dict) -> bytes:
+    return bytes((Frame.WELCOME,)) + msgpack.packb(info, use_bin_type=True)
+
+
+def refuse_frame(code: str, message: str) -> bytes:
+    return bytes((Frame.REFUSE,)) + msgpack.packb({"code": code, "message": message})
+
+
+def parse_handshake(frame: bytes, expect: Frame, limits: Limits = DEFAULT_LIMITS) -> dict:
+    """Decode HELLO or WELCOME; a REFUSE frame is returned as {"refused": ..., "message": ...}."""
+    kind = frame_kind(frame)
+    value = unpack_one(memoryview(frame)[1:], limits)
+    if type(value) is not dict:
+        raise ProtocolError("handshake frame must hold a map")
+    if kind == Frame.REFUSE:
+        return {"refused": str(value.get("code")), "message": str(value.get("message"))}
+    if kind != expect:
+        raise ProtocolError(f"expected a {expect.name} frame, got {kind.name}")
+    return value
+
+
+def torch_major_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def version_mismatch(client_torch: str, server_torch: str) -> str | None:
+    """A message when the two torch releases differ in major.minor, else None."""
+    a, b = torch_major_minor(client_torch), torch_major_minor(server_torch)
+    if a is not None and a == b:
+        return None
+    return (
+        f"torch versions differ: this client runs torch {client_torch}, the rgpu server runs torch "
+        f"{server_torch}. Operator schemas change between releases, so both must run the same "
+        f"major.minor. Install torch {'.'.join(map(str, b)) if b else server_torch} here (or match the "
+        f"server to this client), or set RGPU_ALLOW_VERSION_MISMATCH=1 to connect anyway at your own risk."
+    )

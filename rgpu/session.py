@@ -1,0 +1,381 @@
+"""A session with one server: the op queue, batching, waits, transfers and the counters.
+
+Ops are encoded the moment they are issued (so a bad argument fails on the user's line) and kept
+in a queue. The queue goes out as one BATCH frame when an answer is needed (a wait), when it holds
+`flush_ops` messages or `flush_bytes` bytes, or when the client has been quiet for `quiet_s`, so
+the server computes while the client is still issuing ops.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .connection import Connection
+from .errors import ConnectionLost, ProtocolViolation, RemoteError, RgpuError
+from .protocol import (
+    DEFAULT_LIMITS,
+    EncodeError,
+    Encoder,
+    Frame,
+    HostData,
+    Kind,
+    ProtocolError,
+    Status,
+    batch_frame,
+    chunk_frame,
+    parse_chunk,
+    parse_reply,
+)
+from .tensor import RemoteTensor
+
+log = logging.getLogger("rgpu")
+
+INLINE_UPLOAD = 256 * 1024  # uploads up to this size ride inside the op stream
+UPLOAD_CHUNK = 8 * 1024 * 1024
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _encode_extra(obj: Any) -> Any:
+    """Client-side msgpack conversions: RemoteTensor -> ref, CPU tensor -> inline host data."""
+    if type(obj) is RemoteTensor:
+        return obj._r.ext
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            raise EncodeError(f"cannot mix a {obj.device.type} tensor with rgpu tensors; move it to rgpu first")
+        t = obj.detach().resolve_conj().resolve_neg().contiguous()
+        if t.numel() == 0:
+            return HostData(t.dtype, tuple(t.shape), b"")
+        return HostData(t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(obj, torch.Generator):
+        raise EncodeError(
+            "rgpu ops cannot take a torch.Generator: the server keeps one generator per session. "
+            "Seed it with torch.manual_seed(...) or torch.rgpu.manual_seed(...)."
+        )
+    return NotImplemented
+
+
+class Waiter:
+    """One waited message: the reply, and where DATA frames for it go."""
+
+    __slots__ = ("event", "status", "value", "sink")
+
+    def __init__(self, sink: Callable[[int, memoryview], None] | None = None) -> None:
+        self.event = threading.Event()
+        self.status: Status | None = None
+        self.value: Any = None
+        self.sink = sink
+
+    def finish(self, status: Status, value: Any) -> None:
+        self.status = status
+        self.value = value
+        self.event.set()
+
+
+class Session:
+    """One client session: everything sent to and answered by one server connection."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        open_timeout: float = 10.0,
+        local_process: Any = None,
+    ) -> None:
+        self.lock = threading.RLock()
+        self.frees: collections.deque[int] = collections.deque()
+        self.flush_ops = _env_int("RGPU_FLUSH_OPS", 128)
+        self.flush_bytes = _env_int("RGPU_FLUSH_BYTES", 1 << 20)
+        self.quiet_s = _env_int("RGPU_QUIET_US", 2000) / 1e6
+        self.check_meta = os.environ.get("RGPU_CHECK_META", "") not in ("", "0")
+        # counters (see rgpu.stats)
+        self.messages = 0
+        self.waits = 0
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.frames = 0
+        self.wait_seconds = 0.0
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._first_seq = 1
+        self._next_seq = 1
+        self._waiters: dict[int, Waiter] = {}
+        self._broken: BaseException | None = None
+        self.closed = False
+        self.local_process = local_process
+        self._encode = Encoder(_encode_extra).encode
+        self._quiet_kick = threading.Event()
+        self.conn = Connection(
+            url,
+            token=token,
+            on_frame=self._on_frame,
+            on_close=self._on_close,
+            open_timeout=open_timeout,
+            allow_version_mismatch=os.environ.get("RGPU_ALLOW_VERSION_MISMATCH", "") not in ("", "0"),
+        )
+        welcome = self.conn.welcome
+        self.url = url
+        self.session_id: str = bytes(welcome.get("session", b"")).hex()
+        self.server_torch: str = str(welcome.get("torch", "?"))
+        self.server_version: str = str(welcome.get("server", "?"))
+        self.device: str = str(welcome.get("device", "?"))
+        self.device_name: str = str(welcome.get("device_name", "?"))
+        self.max_chunk = min(int(welcome.get("max_chunk", UPLOAD_CHUNK)), UPLOAD_CHUNK)
+        self._quiet = threading.Thread(target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True)
+        self._quiet.start()
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise ConnectionLost(
+                f"the connection to the rgpu server at {self.url} is lost ({self._broken}); "
+                "its tensors are unreachable. Call rgpu.connect() to start a new session."
+            )
+        if self.closed:
+            raise RgpuError("this rgpu session was disconnected; its tensors are gone. Call rgpu.connect().")
+
+    def _append_locked(self, msg: tuple) -> int:
+        data = self._encode(msg)
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        self.messages += 1
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        return seq
+
+    def post(self, msg: tuple) -> None:
+        """Queue a message that needs no answer."""
+        with self.lock:
+            if self._broken is not None or self.closed:
+                self._check_usable()
+            data = self._encode(msg)
+            pending = self._pending
+            pending.append(data)
+            self._pending_bytes += len(data)
+            self.messages += 1
+            self._next_seq += 1
+            if len(pending) >= self.flush_ops or self._pending_bytes >= self.flush_bytes:
+                self._flush_locked()
+            elif len(pending) == 1:
+                self._quiet_kick.set()
+
+    def flush(self) -> None:
+        with self.lock:
+            if self._pending or self.frees:
+                self._check_usable()
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        frees = self.frees
+        if frees:
+            ids = []
+            try:
+                while True:
+                    ids.append(frees.popleft())
+            except IndexError:
+                pass
+            self._append_locked((Kind.FREE, ids))
+        if not self._pending:
+            return
+        frame = batch_frame(self._first_seq, self._pending)
+        self._first_seq = self._next_seq
+        self._pending = []
+        self._pending_bytes = 0
+        self._send(frame)
+
+    def _send(self, frame: bytes | list) -> None:
+        try:
+            self.conn.send(frame)
+        except Exception as e:
+            self._mark_broken(e)
+            self._check_usable()
+        self.frames += 1
+        self.bytes_out += len(frame) if type(frame) is bytes else sum(len(b) for b in frame)
+
+    def _quiet_loop(self) -> None:
+        """Send a queue the client stopped adding to, so the server is never idle for nothing."""
+        while not self.closed:
+            self._quiet_kick.wait()
+            self._quiet_kick.clear()
+            if self.closed:
+                return
+            last = -1
+            while True:
+                time.sleep(self.quiet_s)
+                now = self._next_seq
+                if now == last:
+                    break
+                last = now
+            with self.lock:
+                if self._pending and self._broken is None and not self.closed:
+                    try:
+                        self._flush_locked()
+                    except RgpuError:
+                        pass
+
+    # -- waits -------------------------------------------------------------------------------
+
+    def request(self, msg: tuple, sink: Callable[[int, memoryview], None] | None = None) -> Any:
+        """Queue a waited message, send everything, and block until its reply."""
+        waiter = Waiter(sink)
+        with self.lock:
+            self._check_usable()
+            seq = self._append_locked(msg)
+            self._waiters[seq] = waiter
+            self._flush_locked()
+        self.waits += 1
+        t0 = time.perf_counter()
+        try:
+            while not waiter.event.wait(0.25):
+                if self._broken is not None:
+                    self._waiters.pop(seq, None)
+                    self._check_usable()
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+        status = waiter.status
+        if status is Status.OK:
+            return waiter.value
+        if status is Status.ERROR:
+            op, message = waiter.value
+            raise RemoteError(str(op), str(message))
+        if status is None:  # woken by a lost connection
+            self._check_usable()
+        raise ProtocolViolation(f"the rgpu server could not understand this client: {waiter.value}")
+
+    def _on_frame(self, frame: bytes) -> None:
+        """Reader thread: route one server frame."""
+        self.bytes_in += len(frame)
+        kind = frame[0] if frame else -1
+        if kind == Frame.REPLY:
+            seq, status, value = parse_reply(frame)
+            if status is Status.PROTOCOL and seq == 0:
+                self._mark_broken(ProtocolViolation(f"the server reported a protocol error: {value}"))
+                return
+            waiter = self._waiters.pop(seq, None)
+            if waiter is not None:
+                waiter.finish(status, value)
+        elif kind == Frame.DATA:
+            seq, offset, payload = parse_chunk(frame)
+            waiter = self._waiters.get(seq)
+            if waiter is not None and waiter.sink is not None:
+                waiter.sink(offset, payload)
+        else:
+            raise ProtocolError(f"unexpected frame kind {kind} from the server")
+
+    def _on_close(self, exc: BaseException) -> None:
+        if not self.closed:
+            self._mark_broken(exc)
+
+    def _mark_broken(self, exc: BaseException) -> None:
+        if self._broken is None:
+            self._broken = exc
+        for w in list(self._waiters.values()):
+            w.event.set()
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def upload(self, dst: RemoteTensor, src: torch.Tensor) -> None:
+        """Copy a CPU tensor's bytes into `dst` on the server; the bytes are taken now."""
+        src = src.detach().resolve_conj().resolve_neg().contiguous()
+        nbytes = src.numel() * src.element_size()
+        if nbytes <= INLINE_UPLOAD:
+            self.post((Kind.UPLOAD, dst, src))
+            return
+        data = memoryview(src.reshape(-1).view(torch.uint8).numpy())
+        chunk = self.max_chunk
+        with self.lock:
+            self._check_usable()
+            seq = self._append_locked((Kind.UPLOAD, dst, [src.dtype, list(src.shape), nbytes]))
+            self._flush_locked()
+            for off in range(0, nbytes, chunk):
+                self._send(chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]))
+
+    def download(self, w: RemoteTensor) -> torch.Tensor:
+        """The values of `w` as a new CPU tensor with the same shape (one wait)."""
+        dtype = w.dtype
+        shape = tuple(w.shape)
+        numel = w.numel()
+        flat = torch.empty(numel, dtype=dtype)
+        nbytes = numel * flat.element_size()
+        view = memoryview(flat.view(torch.uint8).numpy()) if numel else memoryview(b"")
+
+        def sink(offset: int, payload: memoryview) -> None:
+            view[offset : offset + len(payload)] = payload
+
+        value = self.request((Kind.DOWNLOAD, w), sink)
+        if type(value) is bytes:
+            if len(value) != nbytes:
+                raise ProtocolViolation(f"download of {nbytes} bytes returned {len(value)}")
+            if nbytes:
+                view[:] = value
+        elif value != nbytes:
+            raise ProtocolViolation(f"download of {nbytes} bytes returned {value}")
+        out = flat.view(shape)
+        stride = w.stride()
+        if out.stride() != stride and _dense(shape, stride):
+            out = torch.empty_strided(shape, stride, dtype=dtype).copy_(out)
+        return out
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def info(self) -> dict:
+        return self.request((Kind.INFO,))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        with self.lock:
+            try:
+                if self._broken is None:
+                    self._flush_locked()
+            except Exception:
+                pass
+            self.closed = True
+        self._quiet_kick.set()
+        self.conn.close()
+        self._mark_broken_quietly()
+        if self.local_process is not None:
+            self.local_process.stop()
+
+    def _mark_broken_quietly(self) -> None:
+        for w in list(self._waiters.values()):
+            w.event.set()
+
+    def stats(self) -> dict:
+        return {
+            "messages": self.messages,
+            "waits": self.waits,
+            "bytes_out": self.bytes_out,
+            "bytes_in": self.bytes_in,
+            "frames": self.frames,
+            "wait_seconds": self.wait_seconds,
+        }
+
+
+def _dense(shape: tuple, stride: tuple) -> bool:
+    """True when `stride` is a permutation of contiguous strides (no gaps, no overlap)."""
+    dims = [(st, sz) for sz, st in zip(shape, stride) if sz != 1]
+    dims.sort()
+    expected = 1
+    for st, sz in dims:
+        if sz == 0:
+            return True
+        if st != expected:
+            return False
+        expected *= sz
+    return True

@@ -1,0 +1,189 @@
+"""`RemoteTensor`: a tensor whose data lives on the server, and the handle that frees it.
+
+A RemoteTensor holds no data. Its sizes, strides, offset and dtype are the real ones (kept on the
+wrapper itself, so `.shape` costs nothing), and `_r` is a `Handle`: the server-side id, the
+session it belongs to, and a hashable metadata key used by the dispatch cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from .protocol import ref_ext
+
+if TYPE_CHECKING:
+    from .session import Session
+
+DEVICE_TYPE = "rgpu"
+_ids = itertools.count(1)
+next_id = _ids.__next__
+
+# A metadata key: (dtype, shape, stride, storage_offset, storage_nbytes, flags); flags bit 0 is
+# the conjugate bit, bit 1 the negative bit.
+Key = tuple
+
+
+class Handle:
+    """The server-side identity of a RemoteTensor; frees it when the last wrapper dies."""
+
+    __slots__ = ("id", "ext", "key", "sess", "__weakref__")
+
+    def __init__(self, sess: Session, tid: int, key: Key) -> None:
+        self.id = tid
+        self.ext = ref_ext(tid)
+        self.key = key
+        self.sess = sess
+
+    def __del__(self) -> None:
+        try:
+            self.sess.frees.append(self.id)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class RemoteTensor(torch.Tensor):
+    """A tensor on device "rgpu": metadata here, data on the rgpu server."""
+
+    _r: Handle
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs)
+
+    # -- things torch.Tensor refuses for subclasses, or does with many remote ops ------------
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # one download, not ~15 ops
+        from . import dispatch
+
+        return dispatch.tensor_repr(self)
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0 and spec:
+            return format(self.item(), spec)
+        return repr(self) if not spec else format(repr(self), spec)
+
+    def tolist(self) -> Any:
+        return self.detach().cpu().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return self.detach().cpu().numpy()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        arr = self.detach().cpu().numpy()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def __deepcopy__(self, memo: dict) -> RemoteTensor:
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        new.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        if self.grad is not None:
+            new.grad = self.grad.__deepcopy__(memo)
+        for k, v in self.__dict__.items():
+            if k not in ("_r", "_is_param"):
+                new.__dict__[k] = v
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, proto: int) -> Any:
+        """Pickle (and torch.save) the data as a CPU tensor: loadable anywhere, even without rgpu."""
+        return (_rebuild_cpu, (self.detach().cpu(), self.requires_grad))
+
+
+def _rebuild_cpu(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return data.requires_grad_(requires_grad) if requires_grad else data
+
+
+def _dispatch(func, args, kwargs):  # replaced by rgpu.dispatch at import
+    raise RuntimeError("rgpu dispatch is not initialised")
+
+
+_make = torch.Tensor._make_wrapper_subclass
+DEVICE: torch.device | None = None  # torch.device("rgpu", 0), set once the device is registered
+
+
+def wrap(sess: Session, key: Key) -> RemoteTensor:
+    """A new RemoteTensor with metadata `key` and a fresh id in `sess`."""
+    dtype, shape, stride, offset, nbytes, flags = key
+    w = _make(
+        RemoteTensor,
+        shape,
+        strides=stride,
+        storage_offset=offset,
+        dtype=dtype,
+        device=DEVICE,
+        storage_size=nbytes,
+    )
+    if flags:
+        if flags & 1:
+            torch._C._set_conj(w, True)
+        if flags & 2:
+            torch._C._set_neg(w, True)
+    w._r = Handle(sess, next_id(), key)
+    return w
+
+
+def wrap_with_id(sess: Session, key: Key, tid: int) -> RemoteTensor:
+    w = wrap(sess, key)
+    w._r.id = tid
+    w._r.ext = ref_ext(tid)
+    return w
+
+
+def key_of_meta(m: torch.Tensor) -> Key:
+    """The metadata key of a meta (or any) tensor."""
+    flags = (1 if m.is_conj() else 0) | (2 if m.is_neg() else 0)
+    return (m.dtype, tuple(m.shape), m.stride(), m.storage_offset(), m.untyped_storage().nbytes(), flags)
+
+
+def meta_of_key(key: Key) -> torch.Tensor:
+    """A fresh meta tensor with exactly this layout, over a storage of the same byte size."""
+    dtype, shape, stride, offset, nbytes, flags = key
+    storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+    m = torch.empty(0, dtype=dtype, device="meta")
+    m.set_(storage, offset, shape, stride)
+    if flags & 1:
+        torch._C._set_conj(m, True)
+    if flags & 2:
+        torch._C._set_neg(m, True)
+    return m
+
+
+def patch_metadata(w: RemoteTensor, key: Key) -> None:
+    """Change a wrapper's sizes/strides/offset in place, as a metadata-changing in-place op did.
+
+    The wrapper owns a placeholder storage (no data, just a byte count); when the new layout needs
+    more bytes, a bigger placeholder is swapped in through the Meta kernel of `set_`.
+    """
+    dtype, shape, stride, offset, nbytes, flags = key
+    with torch.no_grad(), no_dispatch():
+        if nbytes != w.untyped_storage().nbytes() or dtype != w.dtype:
+            big = _make(RemoteTensor, (nbytes // max(dtype.itemsize, 1),), dtype=dtype, device=DEVICE, storage_size=nbytes)
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                torch.ops.aten.set_.source_Storage_storage_offset(w, big.untyped_storage(), offset, shape, stride)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(False)
+        else:
+            torch.ops.aten.as_strided_.default(w, shape, stride, offset)
+    w._r.key = key
+
+
+def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int) -> Key:
+    """Key of a tensor that owns exactly the storage its layout spans."""
+    if all(s > 0 for s in shape):
+        span = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
+    else:
+        span = offset
+    return (dtype, tuple(shape), tuple(stride), offset, span * dtype.itemsize, 0)

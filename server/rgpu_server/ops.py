@@ -1,0 +1,74 @@
+"""Which operators a client may run, found by name in `torch.ops.aten` and nowhere else.
+
+No pickle, no eval, no attribute walk over `torch`: a name is checked against a strict pattern,
+looked up on the aten namespace, and must come back as an `OpOverload`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
+
+# Operators a client may not run, each with the reason. Keys are "name.overload" or "name" (every
+# overload).
+BLOCKED: dict[str, str] = {
+    "from_file": "reads a file on the server's disk",
+    "_print": "writes to the server's standard output",
+    "_cufft_set_plan_cache_max_size": "changes process-wide cuFFT state shared by every session",
+    "_cufft_clear_plan_cache": "changes process-wide cuFFT state shared by every session",
+    "_assert_async": "a failed device-side assert poisons the CUDA context of every session",
+    "_functional_assert_async": "a failed device-side assert poisons the CUDA context of every session",
+    "set_.source_Storage": "aliases raw storage, which a client cannot name",
+    "set_.source_Storage_storage_offset": "aliases raw storage, which a client cannot name",
+    "set.source_Storage": "aliases raw storage, which a client cannot name",
+    "set.source_Storage_storage_offset": "aliases raw storage, which a client cannot name",
+    "set.source_Storage_storage_offset_out": "aliases raw storage, which a client cannot name",
+    "record_stream": "takes a stream, which a client cannot name",
+}
+
+
+class OpRefused(Exception):
+    """The client named an operator it may not run; reported like any op failure."""
+
+
+@dataclass(slots=True)
+class ResolvedOp:
+    op: torch._ops.OpOverload
+    label: str  # "aten::add.Tensor"
+    takes_generator: bool  # has a `generator` argument: pass the session's generator
+    seeded: bool  # draws from the default generator without taking one: swap session state in
+
+
+_cache: dict[str, ResolvedOp] = {}
+
+
+def resolve(name: str) -> ResolvedOp:
+    """Map "add.Tensor" to its OpOverload, or raise OpRefused with a reason."""
+    if type(name) is not str:
+        raise OpRefused(f"an operator name must be a string, not {type(name).__name__}")
+    hit = _cache.get(name)
+    if hit is not None:
+        return hit
+    if not _NAME.match(name) or "__" in name:
+        raise OpRefused(f"{name!r} is not an aten operator name (expected 'name.overload')")
+    base, overload = name.split(".", 1)
+    why = BLOCKED.get(name) or BLOCKED.get(base)
+    if why:
+        raise OpRefused(f"aten::{name} is not allowed on an rgpu server: it {why}")
+    packet = getattr(torch.ops.aten, base, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        raise OpRefused(f"no operator aten::{base} in this server's torch {torch.__version__}")
+    if overload not in packet.overloads():
+        raise OpRefused(f"aten::{base} has no overload {overload!r} in torch {torch.__version__}")
+    op = getattr(packet, overload)
+    if not isinstance(op, torch._ops.OpOverload):
+        raise OpRefused(f"aten::{name} is not an operator")
+    takes_gen = any(a.name == "generator" for a in op._schema.arguments)
+    seeded = not takes_gen and torch.Tag.nondeterministic_seeded in op.tags
+    resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded)
+    _cache[name] = resolved
+    return resolved

@@ -1,0 +1,552 @@
+"""One client's state on the server, and the worker thread that runs its messages in order.
+
+The event loop only moves frames: it puts what a client sends into `Session.inbox`, and the
+session's worker thread decodes and executes them, so a long kernel never stalls pings or other
+sessions. Replies go back through `Session.send`, which the connection provides.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rgpu.protocol import (
+    EXT_HOST,
+    EXT_REF,
+    BatchReader,
+    Encoder,
+    Frame,
+    Kind,
+    Limits,
+    ProtocolError,
+    Status,
+    TensorMeta,
+    chunk_frame,
+    decode_host,
+    decode_simple_ext,
+    parse_chunk,
+    reply_frame,
+    unpack_ref,
+)
+from rgpu.protocol.codec import Device
+
+from .ops import OpRefused, resolve
+
+log = logging.getLogger("rgpu_server")
+
+DEFAULT_SEED = 67280421310721  # torch's own default seed, so a fresh session acts like a fresh process
+INLINE_DOWNLOAD = 1 << 20  # downloads up to this size ride inside the REPLY
+DOWNLOAD_CHUNK = 4 << 20
+_rng_swap_lock = threading.Lock()  # guards the process-wide default generator during a swap
+
+
+class Poison:
+    """Stands in for the outputs of a failed op; every later use fails with the same error."""
+
+    __slots__ = ("label", "message")
+
+    def __init__(self, label: str, message: str) -> None:
+        self.label = label
+        self.message = message
+
+
+class ConnectionGone(Exception):
+    """The connection dropped while the worker needed more frames from it."""
+
+
+class _Stop:
+    """Inbox sentinel: the connection closed."""
+
+
+STOP = _Stop()
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    if device.type == "mps":
+        return torch.mps._get_default_mps_generator()
+    return torch.default_generator
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _flatten(result: Any) -> list:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        flat: list = []
+        for r in result:
+            if isinstance(r, (tuple, list)):
+                flat.extend(r)
+            else:
+                flat.append(r)
+        return flat
+    return [result]
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a tensor as contiguous CPU memory (conj/neg resolved)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class Session:
+    """Tensors, errors and RNG of one client, and the thread that executes its messages."""
+
+    def __init__(self, sid: bytes, device: torch.device, limits: Limits, client: str = "?") -> None:
+        self.id = sid
+        self.hex = sid.hex()[:8]
+        self.device = device
+        self.limits = limits
+        self.client = client
+        self.tensors: dict[int, torch.Tensor | Poison] = {}
+        self.first_error: tuple[str, str] | None = None
+        self.last_seq = 0
+        self.ops_run = 0
+        self.conformed = 0
+        self.started = time.time()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(DEFAULT_SEED)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.processed = 0  # bytes of frames taken from the inbox (the reader pauses on backlog)
+        self.send: Callable[[list], None] | None = None  # set by the connection
+        self.on_protocol_error: Callable[[str], None] | None = None
+        self._encoder = Encoder()
+        self._bad: Any = None  # first missing id or Poison met while decoding the current message
+        self._worker = threading.Thread(target=self._run, name=f"rgpu-session-{self.hex}", daemon=True)
+        self._worker.start()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self.inbox.put(STOP)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._worker.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                frame = self.inbox.get()
+                if frame is STOP:
+                    return
+                self.processed += len(frame)
+                try:
+                    self._handle_frame(frame)
+                except ConnectionGone:
+                    return
+                except ProtocolError as e:
+                    log.warning("session %s: protocol error: %s", self.hex, e)
+                    self._reply(0, Status.PROTOCOL, str(e))
+                    if self.on_protocol_error is not None:
+                        self.on_protocol_error(str(e))
+                    return
+                except Exception as e:  # a bug of ours: report it, keep the process alive
+                    log.exception("session %s: internal error", self.hex)
+                    self._reply(0, Status.PROTOCOL, f"internal server error: {_describe(e)}")
+                    if self.on_protocol_error is not None:
+                        self.on_protocol_error("internal server error")
+                    return
+        finally:
+            self.tensors.clear()
+
+    def _handle_frame(self, frame: bytes) -> None:
+        if not frame:
+            raise ProtocolError("empty frame")
+        kind = frame[0]
+        if kind == Frame.BATCH:
+            self._run_batch(frame)
+        elif kind == Frame.CHUNK:
+            raise ProtocolError("a CHUNK frame arrived that no UPLOAD announced")
+        else:
+            raise ProtocolError(f"a client may not send frame kind {kind}")
+
+    # -- decoding ----------------------------------------------------------------------------
+
+    def _ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_REF:
+            tid = unpack_ref(data)
+            t = self.tensors.get(tid)
+            if t is None:
+                if self._bad is None:
+                    self._bad = tid
+                return None
+            if type(t) is Poison:
+                if self._bad is None:
+                    self._bad = t
+                return None
+            return t
+        if code == EXT_HOST:
+            dtype, shape, raw = decode_host(data)
+            if len(raw) == 0:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+        value = decode_simple_ext(code, data)
+        if type(value) is Device:
+            return self._device(value.name)
+        return value
+
+    def _device(self, name: str) -> torch.device:
+        if name == "rgpu" or name.startswith("rgpu:"):
+            return self.device
+        if name in ("cpu", "meta"):
+            return torch.device(name)
+        raise ProtocolError(f"unknown device {name!r}; the client may name rgpu, cpu or meta")
+
+    # -- the batch loop ----------------------------------------------------------------------
+
+    def _run_batch(self, frame: bytes) -> None:
+        self._bad = None
+        reader = BatchReader(frame, self.limits, self._ext_hook)
+        seq = reader.first_seq
+        if seq > self.last_seq + 1:
+            raise ProtocolError(f"sequence gap: expected {self.last_seq + 1}, got {seq}")
+        for msg in reader:
+            if seq > self.last_seq:
+                self._execute(seq, msg)
+                self.last_seq = seq
+            elif msg[0] == Kind.UPLOAD and len(msg) == 3 and type(msg[2]) is list:
+                self._receive_chunks(seq, msg[2])  # a replayed upload: drain its chunks, apply nothing
+            seq += 1
+            self._bad = None
+
+    def _execute(self, seq: int, msg: list) -> None:
+        kind = msg[0]
+        if kind == Kind.RUN:
+            self._run_op(msg)
+        elif kind == Kind.FREE:
+            self._free(msg)
+        elif kind == Kind.UPLOAD:
+            self._upload(seq, msg)
+        elif kind == Kind.DOWNLOAD:
+            self._download(seq, msg)
+        elif kind == Kind.RUN_DYN:
+            self._run_dyn(seq, msg)
+        elif kind == Kind.SYNC:
+            if self._error_pending(seq):
+                return
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elif self.device.type == "mps":
+                torch.mps.synchronize()
+            self._reply(seq, Status.OK, None)
+        elif kind == Kind.SEED:
+            if len(msg) != 2 or type(msg[1]) is not int:
+                raise ProtocolError("SEED takes one integer")
+            self.generator.manual_seed(msg[1] & 0xFFFF_FFFF_FFFF_FFFF)
+        elif kind == Kind.INFO:
+            self._reply(seq, Status.OK, self.info())
+        elif kind == Kind.RNG_GET:
+            self._reply(seq, Status.OK, bytes(self.generator.get_state().numpy()))
+        elif kind == Kind.RNG_SET:
+            if len(msg) != 2 or type(msg[1]) is not bytes:
+                raise ProtocolError("RNG_SET takes one bytes value")
+            try:
+                self.generator.set_state(torch.frombuffer(bytearray(msg[1]), dtype=torch.uint8))
+            except RuntimeError as e:
+                self._fail("set_rng_state", _describe(e), ())
+        elif kind == Kind.ACK:
+            self._reply(seq, Status.OK, self.last_seq)
+        else:
+            raise ProtocolError(f"unknown message kind {kind}")
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _fail(self, label: str, message: str, outs) -> None:
+        poison = Poison(label, message)
+        for i in outs:
+            if i is not None:
+                self.tensors[i] = poison
+        if self.first_error is None:
+            self.first_error = (label, message)
+
+    def _poison_from_bad(self, label: str, outs) -> None:
+        bad = self._bad
+        if type(bad) is Poison:  # consuming a poisoned tensor: pass the same poison on, no new error
+            for i in outs:
+                if i is not None:
+                    self.tensors[i] = bad
+        else:
+            self._fail(label, f"KeyError: no tensor with id {bad} in this session (freed, or never created)", outs)
+
+    def _error_pending(self, seq: int) -> bool:
+        """Waited messages report a pending streamed failure instead of running."""
+        if self.first_error is None:
+            return False
+        label, message = self.first_error
+        self.first_error = None
+        self._reply(seq, Status.ERROR, [label, message])
+        return True
+
+    # -- ops ---------------------------------------------------------------------------------
+
+    def _call(self, resolved, args: list, kwargs: dict | None) -> Any:
+        kwargs = kwargs or {}
+        if resolved.takes_generator and kwargs.get("generator") is None:
+            kwargs["generator"] = self.generator
+            return resolved.op(*args, **kwargs)
+        if resolved.seeded:
+            default = default_generator(self.device)
+            with _rng_swap_lock:
+                saved = default.get_state()
+                default.set_state(self.generator.get_state())
+                try:
+                    return resolved.op(*args, **kwargs)
+                finally:
+                    self.generator.set_state(default.get_state())
+                    default.set_state(saved)
+        return resolved.op(*args, **kwargs)
+
+    def _run_op(self, msg: list) -> None:
+        if len(msg) < 5:
+            raise ProtocolError("RUN takes op, args, kwargs, out_ids")
+        name, args, kwargs, outs = msg[1], msg[2], msg[3], msg[4]
+        if type(args) is not list or (kwargs is not None and type(kwargs) is not dict) or type(outs) is not list:
+            raise ProtocolError("RUN fields have the wrong types")
+        try:
+            resolved = resolve(name)
+        except OpRefused as e:
+            self._fail(f"aten::{name}", f"OpRefused: {e}", outs)
+            return
+        if self._bad is not None:
+            self._poison_from_bad(resolved.label, outs)
+            return
+        try:
+            result = self._call(resolved, args, kwargs)
+        except Exception as e:
+            self._fail(resolved.label, _describe(e), outs)
+            return
+        self.ops_run += 1
+        if not outs:
+            return
+        if len(outs) == 1 and type(result) is torch.Tensor:
+            flat = [result]
+        else:
+            flat = _flatten(result)
+            if len(flat) != len(outs):
+                self._fail(resolved.label, f"op returned {len(flat)} values, client expected {len(outs)}", outs)
+                return
+        if len(msg) > 5 and msg[5] is not None:
+            flat = self._check_expected(resolved.label, flat, msg[5], outs)
+            if flat is None:
+                return
+        tensors = self.tensors
+        for i, v in zip(outs, flat):
+            if i is not None:
+                if not isinstance(v, torch.Tensor):
+                    self._fail(resolved.label, f"expected a tensor output, got {type(v).__name__}", outs)
+                    return
+                tensors[i] = v
+
+    def _check_expected(self, label: str, flat: list, expect, outs) -> list | None:
+        """Make outputs match the client's predicted layout (a copy when only strides differ)."""
+        if type(expect) is not list or len(expect) != len(flat):
+            raise ProtocolError("expected-metadata list does not match the outputs")
+        fixed = list(flat)
+        for k, (v, e) in enumerate(zip(flat, expect)):
+            if e is None or not isinstance(v, torch.Tensor):
+                continue
+            if type(e) is not TensorMeta:
+                raise ProtocolError("expected metadata must be tensor metadata")
+            if v.dtype != e.dtype or tuple(v.shape) != tuple(e.shape):
+                self._fail(
+                    label,
+                    f"rgpu predicted output {k} as {e.dtype} {list(e.shape)} but the server produced "
+                    f"{v.dtype} {list(v.shape)}; please report this as an rgpu bug",
+                    outs,
+                )
+                return None
+            if v.stride() != tuple(e.stride) or v.storage_offset() != e.offset:
+                base = torch.empty(
+                    max(e.offset + sum((s - 1) * st for s, st in zip(e.shape, e.stride)) + 1, 0)
+                    if all(s > 0 for s in e.shape)
+                    else e.offset,
+                    dtype=v.dtype,
+                    device=v.device,
+                )
+                out = base.as_strided(e.shape, e.stride, e.offset)
+                out.copy_(v)
+                fixed[k] = out
+                self.conformed += 1
+        return fixed
+
+    def _run_dyn(self, seq: int, msg: list) -> None:
+        """An op whose output shapes only the data can tell: run now, answer with metadata."""
+        if len(msg) != 5 or type(msg[2]) is not list or (msg[3] is not None and type(msg[3]) is not dict):
+            raise ProtocolError("RUN_DYN takes op, args, kwargs, first_id")
+        name, args, kwargs, first_id = msg[1], msg[2], msg[3], msg[4]
+        if type(first_id) is not int or first_id < 1:
+            raise ProtocolError("RUN_DYN first_id must be a positive integer")
+        if self._error_pending(seq):
+            return
+        try:
+            resolved = resolve(name)
+        except OpRefused as e:
+            self._reply(seq, Status.ERROR, [f"aten::{name}", f"OpRefused: {e}"])
+            return
+        if self._bad is not None:
+            bad = self._bad
+            if type(bad) is Poison:
+                self._reply(seq, Status.ERROR, [bad.label, bad.message])
+            else:
+                self._reply(seq, Status.ERROR, [resolved.label, f"KeyError: no tensor with id {bad} in this session"])
+            return
+        try:
+            result = self._call(resolved, args, kwargs)
+        except Exception as e:
+            self._reply(seq, Status.ERROR, [resolved.label, _describe(e)])
+            return
+        self.ops_run += 1
+        values = []
+        next_id = first_id
+        for v in _flatten(result):
+            if isinstance(v, torch.Tensor):
+                self.tensors[next_id] = v
+                next_id += 1
+                values.append(
+                    TensorMeta(v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.is_conj(), v.is_neg())
+                )
+            elif v is None or type(v) in (bool, int, float, complex, str, torch.dtype):
+                values.append(v)
+            else:
+                values.append(str(v))
+        self._reply(seq, Status.OK, values)
+
+    def _free(self, msg: list) -> None:
+        if len(msg) != 2 or type(msg[1]) is not list:
+            raise ProtocolError("FREE takes a list of ids")
+        pop = self.tensors.pop
+        for i in msg[1]:
+            if type(i) is int:
+                pop(i, None)
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def _upload(self, seq: int, msg: list) -> None:
+        if len(msg) != 3:
+            raise ProtocolError("UPLOAD takes a destination and data")
+        dst, data = msg[1], msg[2]
+        if type(data) is list:  # chunked: [dtype, shape, nbytes], CHUNK frames follow
+            host = self._receive_chunks(seq, data)
+        elif isinstance(data, torch.Tensor):
+            host = data
+        else:
+            raise ProtocolError("UPLOAD data must be a host tensor or a chunk header")
+        if self._bad is not None:
+            if type(self._bad) is not Poison:
+                self._fail("upload", f"KeyError: no tensor with id {self._bad} in this session", ())
+            return
+        if not isinstance(dst, torch.Tensor):
+            raise ProtocolError("UPLOAD destination must be a tensor reference")
+        try:
+            with torch.no_grad():
+                dst.copy_(host)
+        except Exception as e:
+            self._fail("upload", _describe(e), ())
+
+    def _receive_chunks(self, seq: int, header: list) -> torch.Tensor:
+        if len(header) != 3:
+            raise ProtocolError("chunked UPLOAD header is [dtype, shape, nbytes]")
+        dtype, shape, nbytes = header
+        if type(dtype) is not torch.dtype or type(shape) is not list or type(nbytes) is not int:
+            raise ProtocolError("chunked UPLOAD header has the wrong types")
+        numel = 1
+        for s in shape:
+            if type(s) is not int or s < 0:
+                raise ProtocolError("chunked UPLOAD shape must be non-negative integers")
+            numel *= s
+        if nbytes != numel * dtype.itemsize:
+            raise ProtocolError(f"chunked UPLOAD announces {nbytes} bytes for shape {shape} of {dtype}")
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        got = 0
+        while got < nbytes:
+            frame = self.inbox.get()
+            if frame is STOP:
+                self.inbox.put(STOP)
+                raise ConnectionGone()
+            self.processed += len(frame)
+            if not frame or frame[0] != Frame.CHUNK:
+                raise ProtocolError("UPLOAD expected a CHUNK frame next")
+            cseq, offset, payload = parse_chunk(frame, self.limits)
+            if cseq != seq or offset != got or got + len(payload) > nbytes or not payload:
+                raise ProtocolError(f"CHUNK for seq {cseq} at offset {offset} does not continue UPLOAD {seq}")
+            view[got : got + len(payload)] = payload
+            got += len(payload)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def _download(self, seq: int, msg: list) -> None:
+        if len(msg) != 2:
+            raise ProtocolError("DOWNLOAD takes one tensor reference")
+        if self._error_pending(seq):
+            return
+        t = msg[1]
+        if self._bad is not None:
+            bad = self._bad
+            if type(bad) is Poison:
+                self._reply(seq, Status.ERROR, [bad.label, bad.message])
+            else:
+                self._reply(seq, Status.ERROR, [f"download of tensor {bad}", f"KeyError: no tensor with id {bad} in this session"])
+            return
+        if not isinstance(t, torch.Tensor):
+            raise ProtocolError("DOWNLOAD takes a tensor reference")
+        try:
+            data = _host_bytes(t)
+        except Exception as e:
+            self._reply(seq, Status.ERROR, ["download", _describe(e)])
+            return
+        n = len(data)
+        if n <= INLINE_DOWNLOAD:
+            self._reply(seq, Status.OK, bytes(data))
+            return
+        frames = [chunk_frame(Frame.DATA, seq, off, data[off : off + DOWNLOAD_CHUNK]) for off in range(0, n, DOWNLOAD_CHUNK)]
+        self._send(frames)
+        self._reply(seq, Status.OK, n)
+
+    # -- replies and facts -------------------------------------------------------------------
+
+    def _send(self, frames: list) -> None:
+        if self.send is not None:
+            self.send(frames)
+
+    def _reply(self, seq: int, status: Status, value: Any) -> None:
+        self._send([reply_frame(self._encoder.encode, seq, status, value)])
+
+    def memory(self) -> tuple[int, int]:
+        """(live tensor ids, bytes of the distinct storages they hold)."""
+        seen: dict[int, int] = {}
+        count = 0
+        for t in list(self.tensors.values()):
+            if isinstance(t, torch.Tensor):
+                count += 1
+                st = t.untyped_storage()
+                seen[st.data_ptr() or id(st)] = st.nbytes()
+        return count, sum(seen.values())
+
+    def info(self) -> dict:
+        count, nbytes = self.memory()
+        return {
+            "session": self.id.hex(),
+            "tensors": count,
+            "bytes": nbytes,
+            "last_seq": self.last_seq,
+            "ops_run": self.ops_run,
+            "conformed": self.conformed,
+            "device": str(self.device),
+        }
