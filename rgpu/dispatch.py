@@ -23,6 +23,7 @@ _META = torch.device("meta")
 _TRUE = object()
 _FALSE = object()
 _DYN = object()  # plan marker: the server must run the op to know its outputs
+_LEARN = object()  # plan marker: meta shapes differ by device for this op; ask the server once
 _RUN = int(Kind.RUN)
 _RUN_DYN = int(Kind.RUN_DYN)
 MAX_DYNAMIC_OUTPUTS = 4096
@@ -81,7 +82,7 @@ def _key(x: Any, by_value: bool) -> Any:
     if t is int or t is str or x is None:
         return x
     if t is float:
-        return x if by_value else float
+        return (float, x) if by_value else float  # (float, 10.0) must not equal the int 10
     if t is bool:
         return _TRUE if x else _FALSE
     if t is list or t is tuple:
@@ -91,7 +92,7 @@ def _key(x: Any, by_value: bool) -> Any:
             return x._r.key
         return ("host", x.device.type, x.dtype, tuple(x.shape), x.stride(), x.is_conj(), x.is_neg())
     if t is complex:
-        return x if by_value else complex
+        return (complex, x) if by_value else complex
     return x  # dtypes, devices, layouts, memory formats, Generators (hashable)
 
 
@@ -168,6 +169,17 @@ def _to_meta(x: Any, path: tuple, paths: dict, memo: dict) -> Any:
     return x
 
 
+def _require_strided(o: Any, func) -> None:
+    if isinstance(o, torch.Tensor):
+        if o.layout != torch.strided:
+            raise NotImplementedError(
+                f"{func} would make a {o.layout} tensor; rgpu supports dense (strided) tensors only"
+            )
+    elif type(o) in (list, tuple):
+        for y in o:
+            _require_strided(y, func)
+
+
 def _spec_of(o: Any, paths: dict) -> tuple:
     if isinstance(o, torch.Tensor):
         hit = paths.get(id(o))
@@ -207,12 +219,15 @@ def _infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
         raise _rewrite_meta_error(e) from None
     if info.nontensor or (info.dynamic and not isinstance(out, (torch.Tensor, list, tuple))):
         return _DYN
+    _require_strided(out, func)
+    if info.conform and not info.write_rets:
+        return _LEARN
     spec = _spec_of(out, paths)
     patches = tuple(
         (path, key_of_meta(m)) for path, m, key in paths.values() if key_of_meta(m) != key
     )
     expect = None
-    if sess.check_meta or info.conform:
+    if sess.check_meta:
         expect = [TensorMeta(k[0], k[1], k[2], k[3], bool(k[5] & 1), bool(k[5] & 2)) if k is not None else None
                   for k in _flat_new_keys(spec)]  # fmt: skip
     single = spec[1] if spec[0] == _NEW and not patches and expect is None else None
@@ -275,10 +290,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     if info.special is not None:
         return info.special(func, info, args, kwargs)
     if info.wire is None:
-        raise NotImplementedError(
-            f"rgpu runs aten operators only; {func} is not one (custom and non-aten operators "
-            "cannot run on the server)"
-        )
+        return _run_non_aten(func, args, kwargs)
     sess = _cur._current or _cur.current()
     key = _plan_key(func, info, args, kwargs, sess)
     plan = _PLANS.get(key)
@@ -287,6 +299,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         _PLANS[key] = plan
     if plan is _DYN:
         return run_dynamic(func, info, args, kwargs, sess)
+    if plan is _LEARN:
+        out = run_dynamic(func, info, args, kwargs, sess)
+        _PLANS[key] = _plan_from_outputs(out)
+        return out
     single = plan.single_key
     if single is not None:
         out = wrap(sess, single)
@@ -301,6 +317,24 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     else:
         sess.post((_RUN, info.wire, args, kwargs or None, ids, plan.expect))
     return out
+
+
+def _run_non_aten(func, args: tuple, kwargs: dict) -> Any:
+    """A non-aten op (torch.library custom op, prims): run its Python decomposition, if any.
+
+    The server only runs aten ops, so an op can run on rgpu only when it breaks down into them.
+    """
+    out = func.decompose(*args, **kwargs)
+    if out is not NotImplemented:
+        return out
+    name = func.name()
+    for key in ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional"):
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, key):
+            return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
+    raise NotImplementedError(
+        f"rgpu runs aten operators; {func} is not one and has no decomposition into aten "
+        "operators, so it cannot run on the rgpu server"
+    )
 
 
 # -- ops that need the server's answer --------------------------------------------------------
@@ -335,6 +369,24 @@ def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     if info.nret == 0:
         return None
     return tuple(flat)
+
+
+def _plan_from_outputs(out: Any) -> Plan:
+    """A streaming plan that reproduces the layouts the server just produced for this key."""
+
+    def spec(o: Any) -> tuple:
+        if isinstance(o, RemoteTensor):
+            return (_NEW, o._r.key)
+        if type(o) in (list, tuple):
+            return (_SEQ, (type(o), tuple(spec(y) for y in o)))
+        return (_NONE, None) if o is None else (_VALUE, o)
+
+    s = spec(out)
+    expect = [
+        TensorMeta(k[0], k[1], k[2], k[3], bool(k[5] & 1), bool(k[5] & 2)) if k is not None else None
+        for k in _flat_new_keys(s)
+    ]
+    return Plan(s, (), expect, None)
 
 
 def _span_bytes(v: TensorMeta) -> int:

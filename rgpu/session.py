@@ -25,12 +25,13 @@ from .protocol import (
     EncodeError,
     Encoder,
     Frame,
-    HostData,
     Kind,
     ProtocolError,
     Status,
     batch_frame,
+    byte_view,
     chunk_frame,
+    host_ext,
     parse_chunk,
     parse_reply,
 )
@@ -58,8 +59,8 @@ def _encode_extra(obj: Any) -> Any:
             raise EncodeError(f"cannot mix a {obj.device.type} tensor with rgpu tensors; move it to rgpu first")
         t = obj.detach().resolve_conj().resolve_neg().contiguous()
         if t.numel() == 0:
-            return HostData(t.dtype, tuple(t.shape), b"")
-        return HostData(t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            return host_ext(t.dtype, tuple(t.shape), b"")
+        return host_ext(t.dtype, tuple(t.shape), byte_view(t))
     if isinstance(obj, torch.Generator):
         raise EncodeError(
             "rgpu ops cannot take a torch.Generator: the server keeps one generator per session. "
@@ -296,7 +297,7 @@ class Session:
         if nbytes <= INLINE_UPLOAD:
             self.post((Kind.UPLOAD, dst, src))
             return
-        data = memoryview(src.reshape(-1).view(torch.uint8).numpy())
+        data = byte_view(src)
         chunk = self.max_chunk
         with self.lock:
             self._check_usable()
@@ -312,7 +313,7 @@ class Session:
         numel = w.numel()
         flat = torch.empty(numel, dtype=dtype)
         nbytes = numel * flat.element_size()
-        view = memoryview(flat.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        view = byte_view(flat)
 
         def sink(offset: int, payload: memoryview) -> None:
             view[offset : offset + len(payload)] = payload
@@ -369,12 +370,12 @@ class Session:
 
 def _dense(shape: tuple, stride: tuple) -> bool:
     """True when `stride` is a permutation of contiguous strides (no gaps, no overlap)."""
+    if 0 in shape:
+        return True
     dims = [(st, sz) for sz, st in zip(shape, stride) if sz != 1]
     dims.sort()
     expected = 1
     for st, sz in dims:
-        if sz == 0:
-            return True
         if st != expected:
             return False
         expected *= sz

@@ -4,6 +4,7 @@ Both the client (`rgpu`) and the server (`rgpu_server`) import this package; imp
 registers the rgpu device. See docs/protocol.md.
 """
 
+from .buffers import byte_view
 from .codec import (
     DEFAULT_LIMITS,
     DTYPE_TO_CODE,

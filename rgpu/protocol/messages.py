@@ -73,6 +73,7 @@ class CloseCode(IntEnum):
 
 
 _SEQ_OFF = struct.Struct("<QQ")
+_END = object()
 _BATCH = bytes((Frame.BATCH,))
 _REPLY = bytes((Frame.REPLY,))
 
@@ -109,16 +110,20 @@ class BatchReader:
         self._limits = limits
         self._unpacker = make_unpacker(limits, ext_hook)
         self._unpacker.feed(memoryview(frame)[1:])
+        self._size = len(frame) - 1
         first = self._next()
-        if first is None or type(first) is not int or first < 1:
+        if type(first) is not int or first < 1:
             raise ProtocolError("BATCH frame must start with a positive sequence number")
         self.first_seq: int = first
 
     def _next(self) -> Any:
+        before = self._unpacker.tell()
         try:
             return self._unpacker.unpack()
         except msgpack.OutOfData:
-            return None
+            if before != self._size:
+                raise ProtocolError("BATCH frame ends in the middle of a message") from None
+            return _END
         except ProtocolError:
             raise
         except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
@@ -128,7 +133,7 @@ class BatchReader:
         depth = self._limits.max_depth
         while True:
             msg = self._next()
-            if msg is None:
+            if msg is _END:
                 return
             if type(msg) is not list or not msg or type(msg[0]) is not int:
                 raise ProtocolError("a message must be an array that starts with its kind")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-_NAME = re.compile(r"^[a-z_][a-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
 
 # Operators a client may not run, each with the reason. Keys are "name.overload" or "name" (every
 # overload).

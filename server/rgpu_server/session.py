@@ -27,6 +27,7 @@ from rgpu.protocol import (
     ProtocolError,
     Status,
     TensorMeta,
+    byte_view,
     chunk_frame,
     decode_host,
     decode_simple_ext,
@@ -98,10 +99,7 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return byte_view(t.contiguous())
 
 
 class Session:
@@ -362,6 +360,12 @@ class Session:
                 continue
             if type(e) is not TensorMeta:
                 raise ProtocolError("expected metadata must be tensor metadata")
+            if v.dtype == e.dtype and v.numel() == 0 and tuple(v.shape) != tuple(e.shape):
+                # e.g. batch norm's save_mean in eval mode: the real kernel returns an empty
+                # tensor where the meta kernel (and CUDA) return one of size C; nothing reads it
+                fixed[k] = torch.zeros(e.shape, dtype=e.dtype, device=v.device).as_strided(e.shape, e.stride)
+                self.conformed += 1
+                continue
             if v.dtype != e.dtype or tuple(v.shape) != tuple(e.shape):
                 self._fail(
                     label,
@@ -413,7 +417,12 @@ class Session:
         self.ops_run += 1
         values = []
         next_id = first_id
-        for v in _flatten(result):
+        flat = _flatten(result)
+        for v in flat:
+            if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+                self._reply(seq, Status.ERROR, [resolved.label, f"produced a {v.layout} tensor; rgpu supports dense (strided) tensors only"])
+                return
+        for v in flat:
             if isinstance(v, torch.Tensor):
                 self.tensors[next_id] = v
                 next_id += 1

@@ -1,0 +1,139 @@
+"""Views, aliasing, in-place and out= ops, and the in-place ops that change metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pair():
+    cpu = torch.arange(24.0).reshape(4, 6)
+    return cpu, cpu.to("rgpu")
+
+
+def check(r, c):
+    assert r.shape == c.shape and r.stride() == c.stride() and r.storage_offset() == c.storage_offset()
+    assert torch.equal(r.cpu(), c)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda x: x[1].add_(100),
+        lambda x: x.t().mul_(2),
+        lambda x: x[:, 2:4].zero_(),
+        lambda x: x.view(-1)[::5].fill_(-1),
+        lambda x: x.unflatten(1, (2, 3))[..., 0].sub_(7),
+        lambda x: x.chunk(2)[1].neg_(),
+        lambda x: x.narrow(1, 1, 2).transpose(0, 1).clamp_(max=10),
+        lambda x: x.diagonal().copy_(torch.tensor([9.0, 8.0, 7.0, 6.0], device=x.device)),
+        lambda x: x.select(1, 3).index_fill_(0, torch.tensor([0, 2], device=x.device), 5.0),
+        lambda x: x.unbind(0)[2].exp_(),
+        lambda x: x.expand(2, 4, 6)[0].add_(0),
+        lambda x: x.__setitem__((slice(None), 0), 42.0),
+        lambda x: x.__setitem__(x > 20, 0.0),
+    ],
+)
+def test_inplace_on_views_changes_the_base_as_on_cpu(dev, mutate):
+    c, r = pair()
+    mutate(c)
+    mutate(r)
+    check(r, c)
+
+
+def test_inplace_ops_return_the_same_object(dev):
+    _, r = pair()
+    assert r.add_(1) is r
+    assert r.t_() is r
+    v = r[0]
+    assert v.mul_(2) is v
+
+
+def test_views_share_the_server_storage_after_the_base_is_gone(dev):
+    c, r = pair()
+    vc, vr = c[2], r[2]
+    del r
+    torch.rgpu.synchronize()
+    vr.add_(1)
+    vc.add_(1)
+    assert torch.equal(vr.cpu(), vc)
+
+
+def test_out_arguments_write_and_return_the_given_tensor(dev):
+    c, r = pair()
+    oc, orr = torch.empty(4, 6), torch.empty(4, 6, device=dev)
+    assert torch.add(r, 1, out=orr) is orr
+    torch.add(c, 1, out=oc)
+    check(orr, oc)
+    # a wrong-sized out= is resized, as on the CPU
+    oc, orr = torch.empty(0), torch.empty(0, device=dev)
+    torch.mul(c, 2, out=oc)
+    torch.mul(r, 2, out=orr)
+    check(orr, oc)
+    vals_c, idx_c = torch.empty(0), torch.empty(0, dtype=torch.long)
+    vals_r, idx_r = torch.empty(0, device=dev), torch.empty(0, dtype=torch.long, device=dev)
+    torch.max(c, 1, out=(vals_c, idx_c))
+    torch.max(r, 1, out=(vals_r, idx_r))
+    check(vals_r, vals_c)
+    check(idx_r, idx_c)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: x.t_(),
+        lambda x: x.transpose_(0, 1),
+        lambda x: x.unsqueeze_(1),
+        lambda x: x.unsqueeze_(0).squeeze_(),
+        lambda x: x[:, :1].squeeze_(1),
+        lambda x: x.resize_(30),
+        lambda x: x.resize_(2, 3),
+        lambda x: x.resize_(0),
+        lambda x: x.resize_as_(torch.empty(5, 5, device=x.device)),
+        lambda x: x.as_strided_((3, 3), (1, 3), 2),
+        lambda x: x.swapdims_(0, 1),
+        lambda x: x.set_(x.new_zeros(3, 2) + 1) if x.device.type == "rgpu" else x.set_(x.new_zeros(3, 2) + 1),
+        lambda x: x.t_().t_().unsqueeze_(2).squeeze_(2),
+    ],
+)
+def test_metadata_changing_inplace_ops(dev, op):
+    c, r = pair()
+    op(c)
+    op(r)
+    assert r.shape == c.shape and r.stride() == c.stride() and r.storage_offset() == c.storage_offset()
+    if c.numel() and op.__code__.co_consts and "resize" not in str(op.__code__.co_names):
+        assert torch.equal(r.cpu(), c)
+    # the tensor keeps working after its metadata changed
+    c2, r2 = c.clone().fill_(1) * 3, r.clone().fill_(1) * 3
+    assert torch.equal(r2.cpu(), c2)
+
+
+def test_resize_then_fill_reads_back_the_grown_tensor(dev):
+    c, r = pair()
+    c.resize_(50).fill_(2)
+    r.resize_(50).fill_(2)
+    check(r, c)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda d: torch.tensor([1.0, 2.0, 3.0], device=d) @ torch.tensor([4.0, 5.0, 6.0], device=d),
+        lambda d: torch.arange(6.0, device=d).reshape(2, 3) @ torch.tensor([1.0, 0.0, 2.0], device=d),
+        lambda d: torch.quantile(torch.arange(10.0, device=d), torch.tensor([0.25, 0.5], device=d)),
+        lambda d: torch.quantile(torch.arange(12.0, device=d).reshape(3, 4), 0.3, dim=1),
+        lambda d: torch.stft(torch.arange(64.0, device=d).sin(), 16, window=torch.hann_window(16, device=d), return_complex=True),
+        lambda d: torch.istft(torch.stft(torch.arange(64.0, device=d).cos(), 16, window=torch.hann_window(16, device=d), return_complex=True), 16, window=torch.hann_window(16, device=d)),
+    ],
+)
+def test_ops_the_published_rgpu_refuses_work(dev, fn):
+    torch.testing.assert_close(fn(dev).cpu(), fn("cpu"))
+
+
+def test_expand_broadcast_and_chunks(dev):
+    c = torch.arange(3.0).reshape(3, 1)
+    r = c.to(dev)
+    check(r.expand(3, 4), c.expand(3, 4))
+    assert torch.equal((r.expand(3, 4) + torch.ones(4, device=dev)).sum(0).cpu(), (c.expand(3, 4) + 1).sum(0))
+    for a, b in zip(torch.arange(10.0, device=dev).chunk(3), torch.arange(10.0).chunk(3)):
+        check(a, b)
