@@ -72,3 +72,8 @@ class EmbeddedServer:
                     f.close()
             except OSError:
                 pass
+        if p.returncode == 0:  # keep the log of a server that failed, for the error message
+            try:
+                os.unlink(self.log_path)
+            except OSError:
+                pass

@@ -136,6 +136,7 @@ class Session:
         self.device: str = str(welcome.get("device", "?"))
         self.device_name: str = str(welcome.get("device_name", "?"))
         self.max_chunk = min(int(welcome.get("max_chunk", UPLOAD_CHUNK)), UPLOAD_CHUNK)
+        self.max_message = int(welcome.get("max_message", DEFAULT_LIMITS.max_message))
         self._quiet = threading.Thread(target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True)
         self._quiet.start()
 
@@ -150,8 +151,20 @@ class Session:
         if self.closed:
             raise RgpuError("this rgpu session was disconnected; its tensors are gone. Call rgpu.connect().")
 
+    def _too_big(self, data: bytes) -> None:
+        if len(data) > self.max_message - 64:
+            raise EncodeError(
+                f"this op encodes to {len(data)} bytes, over the server's {self.max_message}-byte "
+                "message limit; move large CPU tensors to rgpu first (x.to('rgpu')) instead of "
+                "passing them as arguments"
+            )
+        if self._pending_bytes + len(data) > self.max_message - 64:
+            self._flush_locked()
+
     def _append_locked(self, msg: tuple) -> int:
         data = self._encode(msg)
+        if len(data) > 65536:
+            self._too_big(data)
         self._pending.append(data)
         self._pending_bytes += len(data)
         self.messages += 1
@@ -165,6 +178,8 @@ class Session:
             if self._broken is not None or self.closed:
                 self._check_usable()
             data = self._encode(msg)
+            if len(data) > 65536:
+                self._too_big(data)
             pending = self._pending
             pending.append(data)
             self._pending_bytes += len(data)
@@ -181,7 +196,8 @@ class Session:
                 self._check_usable()
                 self._flush_locked()
 
-    def _flush_locked(self) -> None:
+    def _drain_frees_locked(self) -> None:
+        """Turn the ids of garbage-collected tensors into one FREE message."""
         frees = self.frees
         if frees:
             ids = []
@@ -191,6 +207,9 @@ class Session:
             except IndexError:
                 pass
             self._append_locked((Kind.FREE, ids))
+
+    def _flush_locked(self) -> None:
+        self._drain_frees_locked()
         if not self._pending:
             return
         frame = batch_frame(self._first_seq, self._pending)
@@ -208,6 +227,10 @@ class Session:
         self.frames += 1
         self.bytes_out += len(frame) if type(frame) is bytes else sum(len(b) for b in frame)
 
+    def kick(self) -> None:
+        """Wake the quiet-flush thread (something is waiting to be sent)."""
+        self._quiet_kick.set()
+
     def _quiet_loop(self) -> None:
         """Send a queue the client stopped adding to, so the server is never idle for nothing."""
         while not self.closed:
@@ -223,7 +246,7 @@ class Session:
                     break
                 last = now
             with self.lock:
-                if self._pending and self._broken is None and not self.closed:
+                if (self._pending or self.frees) and self._broken is None and not self.closed:
                     try:
                         self._flush_locked()
                     except RgpuError:
@@ -236,6 +259,7 @@ class Session:
         waiter = Waiter(sink)
         with self.lock:
             self._check_usable()
+            self._drain_frees_locked()  # so a waited INFO sees memory the client already let go
             seq = self._append_locked(msg)
             self._waiters[seq] = waiter
             self._flush_locked()

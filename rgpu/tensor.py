@@ -40,7 +40,10 @@ class Handle:
 
     def __del__(self) -> None:
         try:
-            self.sess.frees.append(self.id)
+            frees = self.sess.frees
+            frees.append(self.id)
+            if len(frees) == 1:  # let the quiet-flush thread send it if nothing else does
+                self.sess.kick()
         except Exception:  # interpreter shutdown
             pass
 

@@ -71,10 +71,15 @@ def server():
     srv.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def session(server):
-    """The rgpu client connected to the shared test server."""
-    return rgpu.connect(server.url)
+    """The current rgpu session, connected to the shared test server."""
+    import rgpu.current
+
+    s = rgpu.current.get()
+    if s is None or s.closed or s.url != server.url or s._broken is not None:
+        s = rgpu.connect(server.url)
+    return s
 
 
 @pytest.fixture

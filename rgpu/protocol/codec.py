@@ -241,7 +241,7 @@ def unpack_ref(data: bytes) -> int:
 class Limits:
     """What a decoder accepts. Both ends enforce these on what they receive."""
 
-    max_message: int = 64 * 1024 * 1024 + 4096  # one websocket message
+    max_message: int = 64 * 1024 * 1024  # one websocket message
     max_depth: int = 16  # nesting of lists and maps inside one message
     max_list: int = 1 << 20  # items in one array
     max_map: int = 4096  # entries in one map

@@ -54,9 +54,9 @@ def pick_device(spec: str | None) -> torch.device:
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(spec)
-    except RuntimeError as e:
-        raise SystemExit(f"rgpu-server: --device {spec!r} is not a device name ({e})") from None
-    if device.type not in ("cpu", "cuda", "mps"):
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
         raise SystemExit(f"rgpu-server: --device must be cpu, cuda, cuda:N or mps, not {spec!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -168,7 +168,7 @@ class RgpuServer:
                     "device": str(self.config.device),
                     "device_name": device_name(self.config.device),
                     "max_message": self.config.limits.max_message,
-                    "max_chunk": self.config.limits.max_chunk,
+                    "max_chunk": min(self.config.limits.max_chunk, self.config.limits.max_message // 2),
                 }
             )
         )
@@ -198,7 +198,7 @@ class RgpuServer:
                     break
                 received += len(frame)
                 session.inbox.put(frame)
-                while received - session.processed > MAX_BACKLOG:
+                while received - session.processed > MAX_BACKLOG and session.alive():
                     await asyncio.sleep(0.002)
         except ConnectionClosed:
             pass

@@ -41,6 +41,7 @@ class ResolvedOp:
     label: str  # "aten::add.Tensor"
     takes_generator: bool  # has a `generator` argument: pass the session's generator
     seeded: bool  # draws from the default generator without taking one: swap session state in
+    writes: tuple[tuple[int, str], ...]  # (position or -1 if keyword-only, name) of written args
 
 
 _cache: dict[str, ResolvedOp] = {}
@@ -69,6 +70,11 @@ def resolve(name: str) -> ResolvedOp:
         raise OpRefused(f"aten::{name} is not an operator")
     takes_gen = any(a.name == "generator" for a in op._schema.arguments)
     seeded = not takes_gen and torch.Tag.nondeterministic_seeded in op.tags
-    resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded)
+    writes = tuple(
+        (-1 if a.kwarg_only else i, a.name)
+        for i, a in enumerate(op._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+    resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded, writes)
     _cache[name] = resolved
     return resolved

@@ -44,6 +44,7 @@ log = logging.getLogger("rgpu_server")
 DEFAULT_SEED = 67280421310721  # torch's own default seed, so a fresh session acts like a fresh process
 INLINE_DOWNLOAD = 1 << 20  # downloads up to this size ride inside the REPLY
 DOWNLOAD_CHUNK = 4 << 20
+MAX_DYNAMIC_OUTPUTS = 4096  # the client reserves this many ids for one RUN_DYN
 _rng_swap_lock = threading.Lock()  # guards the process-wide default generator during a swap
 
 
@@ -125,6 +126,7 @@ class Session:
         self.on_protocol_error: Callable[[str], None] | None = None
         self._encoder = Encoder()
         self._bad: Any = None  # first missing id or Poison met while decoding the current message
+        self._refs: list[int] = []  # tensor ids the current message names, in order
         self._worker = threading.Thread(target=self._run, name=f"rgpu-session-{self.hex}", daemon=True)
         self._worker.start()
 
@@ -132,6 +134,9 @@ class Session:
 
     def stop(self) -> None:
         self.inbox.put(STOP)
+
+    def alive(self) -> bool:
+        return self._worker.is_alive()
 
     def join(self, timeout: float | None = None) -> None:
         self._worker.join(timeout)
@@ -178,6 +183,7 @@ class Session:
     def _ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_REF:
             tid = unpack_ref(data)
+            self._refs.append(tid)
             t = self.tensors.get(tid)
             if t is None:
                 if self._bad is None:
@@ -209,6 +215,7 @@ class Session:
 
     def _run_batch(self, frame: bytes) -> None:
         self._bad = None
+        self._refs = []
         reader = BatchReader(frame, self.limits, self._ext_hook)
         seq = reader.first_seq
         if seq > self.last_seq + 1:
@@ -221,6 +228,7 @@ class Session:
                 self._receive_chunks(seq, msg[2])  # a replayed upload: drain its chunks, apply nothing
             seq += 1
             self._bad = None
+            self._refs = []
 
     def _execute(self, seq: int, msg: list) -> None:
         kind = msg[0]
@@ -247,9 +255,11 @@ class Session:
                 raise ProtocolError("SEED takes one integer")
             self.generator.manual_seed(msg[1] & 0xFFFF_FFFF_FFFF_FFFF)
         elif kind == Kind.INFO:
-            self._reply(seq, Status.OK, self.info())
+            if not self._error_pending(seq):
+                self._reply(seq, Status.OK, self.info())
         elif kind == Kind.RNG_GET:
-            self._reply(seq, Status.OK, bytes(self.generator.get_state().numpy()))
+            if not self._error_pending(seq):
+                self._reply(seq, Status.OK, bytes(byte_view(self.generator.get_state())))
         elif kind == Kind.RNG_SET:
             if len(msg) != 2 or type(msg[1]) is not bytes:
                 raise ProtocolError("RNG_SET takes one bytes value")
@@ -258,7 +268,8 @@ class Session:
             except RuntimeError as e:
                 self._fail("set_rng_state", _describe(e), ())
         elif kind == Kind.ACK:
-            self._reply(seq, Status.OK, self.last_seq)
+            if not self._error_pending(seq):
+                self._reply(seq, Status.OK, self.last_seq)
         else:
             raise ProtocolError(f"unknown message kind {kind}")
 
@@ -271,6 +282,18 @@ class Session:
                 self.tensors[i] = poison
         if self.first_error is None:
             self.first_error = (label, message)
+
+    def _written_ids(self, resolved, args: list, kwargs: dict | None) -> list[int]:
+        """Ids of the tensors an in-place or out= op writes: they must not silently keep old data."""
+        if not resolved.writes:
+            return []
+        targets: set[int] = set()
+        for pos, name in resolved.writes:
+            v = args[pos] if 0 <= pos < len(args) else (kwargs or {}).get(name)
+            for t in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(t, torch.Tensor):
+                    targets.add(id(t))
+        return [i for i in self._refs if id(self.tensors.get(i)) in targets]
 
     def _poison_from_bad(self, label: str, outs) -> None:
         bad = self._bad
@@ -321,12 +344,12 @@ class Session:
             self._fail(f"aten::{name}", f"OpRefused: {e}", outs)
             return
         if self._bad is not None:
-            self._poison_from_bad(resolved.label, outs)
+            self._poison_from_bad(resolved.label, [*outs, *self._written_ids(resolved, args, kwargs)])
             return
         try:
             result = self._call(resolved, args, kwargs)
         except Exception as e:
-            self._fail(resolved.label, _describe(e), outs)
+            self._fail(resolved.label, _describe(e), [*outs, *self._written_ids(resolved, args, kwargs)])
             return
         self.ops_run += 1
         if not outs:
@@ -345,6 +368,8 @@ class Session:
         tensors = self.tensors
         for i, v in zip(outs, flat):
             if i is not None:
+                if type(i) is not int:
+                    raise ProtocolError("output ids must be integers or null")
                 if not isinstance(v, torch.Tensor):
                     self._fail(resolved.label, f"expected a tensor output, got {type(v).__name__}", outs)
                     return
@@ -412,12 +437,18 @@ class Session:
         try:
             result = self._call(resolved, args, kwargs)
         except Exception as e:
+            poison = Poison(resolved.label, _describe(e))
+            for i in self._written_ids(resolved, args, kwargs):
+                self.tensors[i] = poison
             self._reply(seq, Status.ERROR, [resolved.label, _describe(e)])
             return
         self.ops_run += 1
         values = []
         next_id = first_id
         flat = _flatten(result)
+        if len(flat) > MAX_DYNAMIC_OUTPUTS:
+            self._reply(seq, Status.ERROR, [resolved.label, f"returned {len(flat)} values; at most {MAX_DYNAMIC_OUTPUTS} are supported"])
+            return
         for v in flat:
             if isinstance(v, torch.Tensor) and v.layout != torch.strided:
                 self._reply(seq, Status.ERROR, [resolved.label, f"produced a {v.layout} tensor; rgpu supports dense (strided) tensors only"])

@@ -1,0 +1,151 @@
+"""Errors: local shape errors, remote failures, poisoning, and a session that keeps working."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rgpu
+
+
+def test_shape_error_raises_on_the_users_line_without_waiting(dev, counted):
+    a, b = torch.ones(2, 3, device=dev), torch.ones(4, 5, device=dev)
+    with pytest.raises(RuntimeError, match=r"reduction dim|cannot be multiplied") as info:
+        a @ b
+    assert "meta" not in str(info.value)
+    with pytest.raises(RuntimeError, match=r"broadcast|must match the size"):
+        torch.ones(3, device=dev) + torch.ones(4, device=dev)
+    assert counted()["waits"] == 0
+
+
+def _remote_failure(dev):
+    """An op whose failure only the server can see: a gather index out of range."""
+    x = torch.arange(4.0, device=dev)
+    bad_index = torch.tensor([0, 7], device=dev)
+    return torch.gather(x, 0, bad_index)
+
+
+def test_remote_failure_is_raised_once_at_the_next_wait_naming_the_op(dev):
+    y = _remote_failure(dev)  # streams: no error yet
+    z = torch.ones(2, device=dev) * 3  # unrelated work keeps streaming
+    with pytest.raises(rgpu.RemoteError) as info:
+        torch.rgpu.synchronize()
+    err = info.value
+    assert err.op == "aten::gather.default"
+    assert "index" in err.remote_message.lower()
+    assert "aten::gather.default failed on the rgpu server" in str(err)
+    # reported once: the next wait succeeds, and unrelated tensors are fine
+    torch.rgpu.synchronize()
+    assert torch.equal(z.cpu(), torch.full((2,), 3.0))
+    # using the poisoned tensor raises again, naming the original failure
+    with pytest.raises(rgpu.RemoteError, match="gather"):
+        y.cpu()
+    w = y + 1  # consuming poison streams and poisons, without a second error
+    torch.rgpu.synchronize()
+    with pytest.raises(rgpu.RemoteError, match="gather"):
+        w.sum().item()
+
+
+def test_the_waited_call_that_reports_an_error_can_be_retried(dev):
+    x = torch.arange(3.0, device=dev)
+    _remote_failure(dev)
+    with pytest.raises(rgpu.RemoteError):
+        x.sum().item()
+    assert x.sum().item() == 3.0
+
+
+def test_unsendable_argument_fails_at_the_call_and_poisons_nothing(dev):
+    g = torch.Generator()
+    with pytest.raises(TypeError, match="Generator"):
+        torch.rand(3, device=dev, generator=g)
+    assert torch.ones(2, device=dev).sum().item() == 2.0
+
+
+def test_blocked_and_unknown_ops_are_refused_by_the_server(dev, session):
+    from rgpu.protocol import Kind
+
+    x = torch.ones(2, device=dev)
+    session.post((Kind.RUN, "from_file.default", ["/etc/passwd"], None, [10**12]))
+    with pytest.raises(rgpu.RemoteError, match="not allowed on an rgpu server: it reads a file"):
+        torch.rgpu.synchronize()
+    session.post((Kind.RUN, "no_such_op.default", [x], None, [10**12 + 1]))
+    with pytest.raises(rgpu.RemoteError, match="no operator aten::no_such_op"):
+        torch.rgpu.synchronize()
+    session.post((Kind.RUN, "os.system", ["true"], None, [10**12 + 2]))
+    with pytest.raises(rgpu.RemoteError, match="no operator aten::os"):
+        torch.rgpu.synchronize()
+    assert x.sum().item() == 2.0
+
+
+def test_tensor_ids_of_other_sessions_or_freed_ones_are_unknown(dev, session):
+    from rgpu.protocol import Kind, Ref
+
+    session.post((Kind.RUN, "add.Tensor", [Ref(987654321), 1], None, [10**12 + 3]))
+    with pytest.raises(rgpu.RemoteError, match="no tensor with id 987654321"):
+        torch.rgpu.synchronize()
+
+
+def test_non_aten_op_without_decomposition_names_the_problem(dev):
+    lib = torch.library.Library("rgpu_test_only", "DEF")
+    lib.define("opaque(Tensor x) -> Tensor")
+    lib.impl("opaque", lambda x: x + 1, "CPU")
+    with pytest.raises(NotImplementedError, match="rgpu_test_only.opaque"):
+        torch.ops.rgpu_test_only.opaque(torch.ones(2, device=dev))
+
+
+def test_custom_op_with_a_python_implementation_runs(dev):
+    @torch.library.custom_op("rgpu_test_only::twice_plus_one", mutates_args=())
+    def twice_plus_one(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    @twice_plus_one.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    r = twice_plus_one(torch.arange(3.0, device=dev))
+    assert torch.equal(r.cpu(), torch.arange(3.0) * 2 + 1)
+
+
+def test_sparse_results_are_refused_clearly(dev):
+    with pytest.raises((NotImplementedError, rgpu.RemoteError), match="strided"):
+        torch.eye(3, device=dev).to_sparse()
+
+
+def test_tensors_of_an_ended_session_say_so(server):
+    old = rgpu.connect(server.url)
+    x = torch.ones(3, device="rgpu")
+    new = rgpu.connect(server.url)
+    assert new is not old
+    with pytest.raises(RuntimeError, match="earlier session"):
+        x + 1
+    assert "ended rgpu session" in repr(x)
+
+
+def test_a_failed_inplace_op_poisons_the_tensor_it_writes(dev):
+    z = torch.zeros(2, device=dev)
+    y = _remote_failure(dev)
+    with pytest.raises(rgpu.RemoteError):
+        torch.rgpu.synchronize()
+    z.add_(y)  # consumes poison: must not silently leave z unchanged
+    with pytest.raises(rgpu.RemoteError, match="gather"):
+        z.cpu()
+    w = torch.zeros(3, device=dev)
+    w.index_add_(0, torch.tensor([5], device=dev), torch.ones(1, device=dev))  # fails on the server
+    with pytest.raises(rgpu.RemoteError, match="index_add"):
+        torch.rgpu.synchronize()
+    with pytest.raises(rgpu.RemoteError, match="index_add"):
+        w.cpu()
+
+
+def test_every_waited_request_reports_a_pending_error(dev, session):
+    _remote_failure(dev)
+    with pytest.raises(rgpu.RemoteError, match="gather"):
+        session.info()
+    assert session.info()["tensors"] >= 0
+
+
+def test_an_op_too_big_for_one_message_is_refused_at_the_call(dev, session):
+    big_index = torch.zeros(session.max_message // 8 + 10, dtype=torch.long)
+    with pytest.raises(TypeError, match="message limit"):
+        torch.ones(3, device=dev)[big_index]
+    assert torch.ones(2, device=dev).sum().item() == 2.0

@@ -1,0 +1,239 @@
+"""The server as a process: flags, logs, isolation of sessions, hostile clients, the embedded server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from websockets.sync.client import connect as ws_connect
+
+import rgpu
+from rgpu import protocol as p
+from conftest import ServerProcess
+
+
+def run_client(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_help_and_version():
+    out = subprocess.run([sys.executable, "-m", "rgpu_server", "--help"], capture_output=True, text=True, check=True)
+    for flag in ("--host", "--port", "--device", "--log-level"):
+        assert flag in out.stdout
+    out = subprocess.run(["rgpu-server", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("rgpu-server ")
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [("tpu", "must be cpu, cuda, cuda:N or mps"), ("cuda", "no CUDA GPU"), ("nonsense:x", "must be cpu, cuda, cuda:N or mps")],
+)
+def test_bad_device_is_a_clear_error(device, message):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    out = subprocess.run(
+        [sys.executable, "-m", "rgpu_server", "--device", device, "--port", "0"], capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_port_in_use_is_a_clear_error(server):
+    port = server.url.rsplit(":", 1)[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", port], capture_output=True, text=True
+    )
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
+def test_logs_startup_and_sessions_but_not_ops():
+    srv = ServerProcess()
+    try:
+        out = run_client(
+            f"""
+            import torch, rgpu
+            rgpu.connect({srv.url!r})
+            x = torch.ones(100, device="rgpu")
+            for _ in range(50):
+                x = x + 1
+            print(x.sum().item())
+            """
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "5100.0"
+        deadline = time.time() + 10
+        while "ended for" not in srv.log() and time.time() < deadline:
+            time.sleep(0.05)
+        log = srv.log()
+        assert re.search(r"listening on ws://127\.0\.0\.1:\d+ \(device cpu", log)
+        assert re.search(r"session \w+ started for 127\.0\.0\.1:\d+ \(rgpu [\d.]+, torch 2\.\d+", log)
+        assert re.search(r"session \w+ ended for 127\.0\.0\.1:\d+ after \d+ ops", log)
+        assert len(log.splitlines()) <= 4  # nothing per op
+    finally:
+        srv.stop()
+
+
+def test_a_long_kernel_does_not_stall_other_sessions(server):
+    busy = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(
+            f"""
+            import sys, torch, rgpu
+            rgpu.connect({server.url!r})
+            a = torch.randn(1500, 1500, device="rgpu")
+            for _ in range(40):
+                a = (a @ a).tanh()
+            sys.stdout.write("queued\\n"); sys.stdout.flush()
+            torch.rgpu.synchronize()
+            print("done", flush=True)
+            """
+        )],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert busy.stdout.readline().strip() == "queued"
+        time.sleep(0.5)  # the busy session's worker is now deep in its matmuls
+        t0 = time.perf_counter()
+        other = rgpu.connect(server.url)
+        assert (torch.arange(10.0, device="rgpu") * 2).sum().item() == 90.0
+        elapsed = time.perf_counter() - t0
+        assert busy.poll() is None, "the busy client should still be running"
+        assert elapsed < 5.0, f"another session waited {elapsed:.1f}s behind a busy one"
+        del other
+    finally:
+        busy.wait(timeout=300)
+        assert busy.stdout.readline().strip() == "done"
+
+
+def test_hostile_frames_close_only_that_connection(dev, server):
+    with ws_connect(server.url, compression=None) as raw:
+        _hostile_exchange(raw)
+    # the shared session is untouched
+    assert torch.ones(3, device=dev).sum().item() == 3.0
+
+
+def _hostile_exchange(raw) -> None:
+    raw.send(p.hello_frame({"protocol": p.PROTOCOL_VERSION, "torch": torch.__version__, "client": "fuzz"}))
+    assert p.frame_kind(raw.recv(timeout=10)) == p.Frame.WELCOME
+    raw.send(b"\x01\xff\xff garbage")
+    seq, status, value = p.parse_reply(raw.recv(timeout=10))
+    assert (seq, status) == (0, p.Status.PROTOCOL)
+    assert "sequence number" in value or "malformed" in value
+    with pytest.raises(Exception):
+        raw.recv(timeout=10)
+    assert raw.close_code == p.CloseCode.PROTOCOL_ERROR
+
+
+@pytest.mark.parametrize(
+    "first",
+    [b"GET / HTTP/1.1", b"\x20\xc1", p.hello_frame({"protocol": 999, "torch": "2.13.0"}), "text frame"],
+)
+def test_bad_handshakes_are_refused(server, first):
+    with ws_connect(server.url, compression=None) as raw:
+        raw.send(first)
+        try:
+            reply = raw.recv(timeout=10)
+            assert p.parse_handshake(reply, p.Frame.WELCOME)["refused"] == "protocol"
+        except Exception:
+            pass
+        with pytest.raises(Exception):
+            raw.recv(timeout=10)
+        assert raw.close_code in (p.CloseCode.BAD_HELLO, p.CloseCode.VERSION_MISMATCH)
+
+
+def test_torch_version_mismatch_is_refused_unless_overridden(server, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    with pytest.raises(rgpu.ConnectError) as info:
+        rgpu.connect(server.url)
+    msg = str(info.value)
+    assert "2.11.0" in msg and "2.13" in msg and "RGPU_ALLOW_VERSION_MISMATCH=1" in msg
+    monkeypatch.setenv("RGPU_ALLOW_VERSION_MISMATCH", "1")
+    rgpu.connect(server.url)
+    assert torch.ones(2, device="rgpu").sum().item() == 2.0
+
+
+def test_unreachable_server_is_a_clear_error():
+    with pytest.raises(rgpu.ConnectError, match="cannot reach an rgpu server at ws://127.0.0.1:9"):
+        rgpu.connect("ws://127.0.0.1:9", timeout=2)
+    with pytest.raises(rgpu.ConnectError, match="ws:// or wss://"):
+        rgpu.connect("http://example.invalid:80")
+
+
+def test_rgpu_server_env_is_used_when_no_url_is_given(server):
+    out = run_client(
+        """
+        import torch, rgpu
+        print((torch.ones(4, device="rgpu") * 2).sum().item())
+        import rgpu.current
+        print(rgpu.current.get().url)
+        """,
+        env={"RGPU_SERVER": server.url},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["8.0", server.url]
+    assert "embedded" not in out.stderr
+
+
+def test_embedded_server_starts_on_first_use_and_stops_with_the_client():
+    env = {k: v for k, v in os.environ.items() if k != "RGPU_SERVER"}
+    code = """
+        import os, torch, rgpu
+        import rgpu.current
+        x = torch.ones(4, device="rgpu")
+        print((x * 2).sum().item())
+        print(rgpu.current.get().local_process.process.pid, flush=True)
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    value, pid = out.stdout.split()
+    assert value == "8.0"
+    assert "started an embedded rgpu server at ws://127.0.0.1:" in out.stderr
+    assert _gone(int(pid))
+
+
+def test_embedded_server_dies_with_a_killed_client():
+    env = {k: v for k, v in os.environ.items() if k != "RGPU_SERVER"}
+    code = """
+        import sys, time, torch, rgpu
+        import rgpu.current
+        rgpu.connect("local")
+        print(rgpu.current.get().local_process.process.pid, flush=True)
+        time.sleep(600)
+    """
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    pid = int(proc.stdout.readline())
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _gone(pid)
+
+
+def _gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie child of ours counts as gone
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,59 @@
+"""Exact message and wait counts: the batching contract, as regression tests."""
+
+from __future__ import annotations
+
+import torch
+
+import rgpu
+
+
+def test_stats_has_the_documented_counters(dev):
+    s = rgpu.stats()
+    assert set(s) >= {"messages", "waits", "bytes_out", "bytes_in", "frames", "wait_seconds"}
+
+
+def test_a_loop_of_ops_then_one_item_is_one_wait(dev, counted):
+    x = torch.zeros(16, device=dev)
+    for _ in range(100):
+        x = x + 1
+    assert counted()["waits"] == 0
+    assert x.sum().item() == 1600.0
+    d = counted()
+    assert d["waits"] == 1
+    # zeros, 100 adds, sum, the download, plus FREE messages for the dropped temporaries
+    assert 103 <= d["messages"] <= 103 + 3
+    assert d["frames"] >= 1 and d["bytes_out"] > 0 and d["bytes_in"] > 0 and d["wait_seconds"] > 0
+
+
+def test_each_download_kind_is_one_wait(dev, counted):
+    x = torch.arange(6.0, device=dev)
+    x.cpu()
+    x.tolist()
+    x.numpy()
+    x[0].item()
+    bool(x[1])
+    repr(x)
+    torch.rgpu.synchronize()
+    assert counted()["waits"] == 7
+
+
+def test_threshold_flushes_never_wait(dev, counted):
+    x = torch.zeros(4, device=dev)
+    for _ in range(1000):  # several flushes by count
+        x = x + 1
+    d = counted()
+    assert d["waits"] == 0 and d["frames"] >= 1000 // 128
+    assert x[0].item() == 1000.0
+
+
+def test_the_queue_goes_out_when_the_client_goes_quiet(dev, session):
+    import time
+
+    x = torch.ones(3, device=dev) * 5
+    frames = rgpu.stats()["frames"]
+    deadline = time.time() + 2
+    while rgpu.stats()["frames"] == frames and time.time() < deadline:
+        time.sleep(0.001)
+    assert rgpu.stats()["frames"] == frames + 1  # sent without any wait
+    assert session._pending == []
+    del x
