@@ -130,7 +130,11 @@ def pinned_preexec(cpus: set[int]) -> Callable[[], None]:
 def machine(client: str) -> dict[str, Any]:
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
         ).stdout.strip()
     except OSError:
         commit = ""
@@ -142,7 +146,7 @@ def machine(client: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "client": client,
-        "git_commit": commit,
+        "repo_commit": commit,  # of the checkout these scripts are in
         "loadavg_at_start": os.getloadavg(),  # other work on the machine skews the numbers
     }
 

@@ -21,6 +21,8 @@ __all__ = [
     "disconnect",
     "stats",
     "session_info",
+    "current_session",
+    "settings",
     "RemoteTensor",
     "RgpuError",
     "RemoteError",
@@ -38,6 +40,7 @@ if not _IN_SERVER:
     from . import _registration
     from .current import connect, disconnect
     from .current import get as _get_session
+    from .progress import settings
     from .tensor import RemoteTensor
 
     _registration.register()
@@ -52,6 +55,13 @@ if not _IN_SERVER:
         if session is None:
             return {"messages": 0, "waits": 0, "bytes_out": 0, "bytes_in": 0, "frames": 0, "wait_seconds": 0.0}
         return session.stats()
+
+    def current_session():
+        """The current `rgpu.session.Session` (url, device_name, state, ping(), ...) or None.
+
+        Never connects.
+        """
+        return _get_session()
 
     def session_info() -> dict:
         """What the server holds for this session: tensors, bytes, ops run (one wait)."""

@@ -345,7 +345,13 @@ def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     first_id = _tensor.next_id()
     for _ in range(MAX_DYNAMIC_OUTPUTS):  # reserve a block of ids for the server to fill in order
         _tensor.next_id()
-    values = sess.request((_RUN_DYN, info.wire, args, kwargs or None, first_id))
+    def free_unclaimed(status, values) -> None:  # the caller was interrupted before the reply
+        if type(values) is list:
+            n = sum(type(v) is TensorMeta for v in values)
+            sess.frees.extend(range(first_id, first_id + n))
+            sess.kick()
+
+    values = sess.request((_RUN_DYN, info.wire, args, kwargs or None, first_id), on_abandoned=free_unclaimed)
     flat = []
     tid = first_id
     for v in values:

@@ -20,6 +20,8 @@ import torch
 
 from .connection import Connection
 from .errors import ConnectionLost, ProtocolViolation, RemoteError, RgpuError
+from .progress import TransferProgress
+from .writer import FrameWriter
 from .protocol import (
     DEFAULT_LIMITS,
     EncodeError,
@@ -40,7 +42,8 @@ from .tensor import RemoteTensor
 log = logging.getLogger("rgpu")
 
 INLINE_UPLOAD = 256 * 1024  # uploads up to this size ride inside the op stream
-UPLOAD_CHUNK = 8 * 1024 * 1024
+UPLOAD_CHUNK = 1 << 20  # small enough that an interrupted upload stops within one chunk
+ABORT_OFFSET = (1 << 64) - 1  # a CHUNK at this offset cancels the upload it belongs to
 
 
 def _env_int(name: str, default: int) -> int:
@@ -72,13 +75,15 @@ def _encode_extra(obj: Any) -> Any:
 class Waiter:
     """One waited message: the reply, and where DATA frames for it go."""
 
-    __slots__ = ("event", "status", "value", "sink")
+    __slots__ = ("event", "status", "value", "sink", "received", "on_abandoned")
 
     def __init__(self, sink: Callable[[int, memoryview], None] | None = None) -> None:
         self.event = threading.Event()
         self.status: Status | None = None
         self.value: Any = None
         self.sink = sink
+        self.received = 0  # DATA bytes routed to the sink so far
+        self.on_abandoned: Callable[[Status, Any], None] | None = None  # a reply nobody waits for
 
     def finish(self, status: Status, value: Any) -> None:
         self.status = status
@@ -110,11 +115,14 @@ class Session:
         self.bytes_in = 0
         self.frames = 0
         self.wait_seconds = 0.0
+        # The queue: messages _first_seq, _first_seq + 1, ... not yet handed to the writer. A
+        # message's sequence number is its position, never a separate counter, so an interrupt
+        # between two statements cannot make numbers and messages disagree.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._first_seq = 1
-        self._next_seq = 1
         self._waiters: dict[int, Waiter] = {}
+        self._abandoned: dict[int, Waiter] = {}
         self._broken: BaseException | None = None
         self.closed = False
         self.local_process = local_process
@@ -137,6 +145,7 @@ class Session:
         self.device_name: str = str(welcome.get("device_name", "?"))
         self.max_chunk = min(int(welcome.get("max_chunk", UPLOAD_CHUNK)), UPLOAD_CHUNK)
         self.max_message = int(welcome.get("max_message", DEFAULT_LIMITS.max_message))
+        self._writer = FrameWriter(self.conn.send, self._mark_broken)
         self._quiet = threading.Thread(target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True)
         self._quiet.start()
 
@@ -165,12 +174,11 @@ class Session:
         data = self._encode(msg)
         if len(data) > 65536:
             self._too_big(data)
-        self._pending.append(data)
+        pending = self._pending
+        pending.append(data)
         self._pending_bytes += len(data)
         self.messages += 1
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        return seq
+        return self._first_seq + len(pending) - 1
 
     def post(self, msg: tuple) -> None:
         """Queue a message that needs no answer."""
@@ -184,7 +192,6 @@ class Session:
             pending.append(data)
             self._pending_bytes += len(data)
             self.messages += 1
-            self._next_seq += 1
             if len(pending) >= self.flush_ops or self._pending_bytes >= self.flush_bytes:
                 self._flush_locked()
             elif len(pending) == 1:
@@ -212,20 +219,23 @@ class Session:
         self._drain_frees_locked()
         if not self._pending:
             return
-        frame = batch_frame(self._first_seq, self._pending)
-        self._first_seq = self._next_seq
+        pending = self._pending
+        frame = batch_frame(self._first_seq, pending)
+        self._send(frame)
+        # only now forget the messages: if an interrupt lands before this line, they go out again
+        # with the same numbers, and the server drops what it already applied
+        self._first_seq += len(pending)
         self._pending = []
         self._pending_bytes = 0
-        self._send(frame)
 
-    def _send(self, frame: bytes | list) -> None:
-        try:
-            self.conn.send(frame)
-        except Exception as e:
-            self._mark_broken(e)
-            self._check_usable()
+    def _send(self, frame: bytes | list, tag: object = None) -> int:
+        """Hand a frame to the writer thread; returns its ticket."""
+        self._check_usable()
+        nbytes = len(frame) if type(frame) is bytes else sum(len(b) for b in frame)
+        ticket = self._writer.queue(frame, nbytes, tag)
         self.frames += 1
-        self.bytes_out += len(frame) if type(frame) is bytes else sum(len(b) for b in frame)
+        self.bytes_out += nbytes
+        return ticket
 
     def kick(self) -> None:
         """Wake the quiet-flush thread (something is waiting to be sent)."""
@@ -241,7 +251,7 @@ class Session:
             last = -1
             while True:
                 time.sleep(self.quiet_s)
-                now = self._next_seq
+                now = self.messages
                 if now == last:
                     break
                 last = now
@@ -254,9 +264,21 @@ class Session:
 
     # -- waits -------------------------------------------------------------------------------
 
-    def request(self, msg: tuple, sink: Callable[[int, memoryview], None] | None = None) -> Any:
-        """Queue a waited message, send everything, and block until its reply."""
+    def request(
+        self,
+        msg: tuple,
+        sink: Callable[[int, memoryview], None] | None = None,
+        *,
+        on_abandoned: Callable[[Status, Any], None] | None = None,
+        progress: TransferProgress | None = None,
+    ) -> Any:
+        """Queue a waited message, send everything, and block until its reply.
+
+        Ctrl-C returns at once; the reply, when it comes, goes to `on_abandoned` (so, e.g., the
+        outputs of an abandoned data-dependent op get freed) and the session stays usable.
+        """
         waiter = Waiter(sink)
+        waiter.on_abandoned = on_abandoned
         with self.lock:
             self._check_usable()
             self._drain_frees_locked()  # so a waited INFO sees memory the client already let go
@@ -266,10 +288,7 @@ class Session:
         self.waits += 1
         t0 = time.perf_counter()
         try:
-            while not waiter.event.wait(0.25):
-                if self._broken is not None:
-                    self._waiters.pop(seq, None)
-                    self._check_usable()
+            self._wait(seq, waiter, progress)
         finally:
             self.wait_seconds += time.perf_counter() - t0
         status = waiter.status
@@ -281,6 +300,23 @@ class Session:
         if status is None:  # woken by a lost connection
             self._check_usable()
         raise ProtocolViolation(f"the rgpu server could not understand this client: {waiter.value}")
+
+    def _wait(self, seq: int, waiter: Waiter, progress: TransferProgress | None) -> None:
+        try:
+            while not waiter.event.wait(0.1):
+                if self._broken is not None:
+                    self._waiters.pop(seq, None)
+                    self._check_usable()
+                if progress is not None:
+                    progress.update_to(waiter.received)
+        except BaseException:  # KeyboardInterrupt: stop waiting, keep the session consistent
+            with self.lock:
+                if self._waiters.pop(seq, None) is not None:
+                    self._abandoned[seq] = waiter
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
 
     def _on_frame(self, frame: bytes) -> None:
         """Reader thread: route one server frame."""
@@ -294,11 +330,17 @@ class Session:
             waiter = self._waiters.pop(seq, None)
             if waiter is not None:
                 waiter.finish(status, value)
+                return
+            with self.lock:
+                waiter = self._abandoned.pop(seq, None)
+            if waiter is not None and waiter.on_abandoned is not None:
+                waiter.on_abandoned(status, value)
         elif kind == Frame.DATA:
             seq, offset, payload = parse_chunk(frame)
-            waiter = self._waiters.get(seq)
+            waiter = self._waiters.get(seq) or self._abandoned.get(seq)
             if waiter is not None and waiter.sink is not None:
                 waiter.sink(offset, payload)
+                waiter.received += len(payload)
         else:
             raise ProtocolError(f"unexpected frame kind {kind} from the server")
 
@@ -323,12 +365,42 @@ class Session:
             return
         data = byte_view(src)
         chunk = self.max_chunk
-        with self.lock:
-            self._check_usable()
-            seq = self._append_locked((Kind.UPLOAD, dst, [src.dtype, list(src.shape), nbytes]))
-            self._flush_locked()
-            for off in range(0, nbytes, chunk):
-                self._send(chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]))
+        tag = object()  # marks this upload's chunks in the writer's queue
+        progress = TransferProgress(nbytes, "rgpu upload")
+        start = self._writer.bytes_written
+        try:
+            with self.lock:
+                self._check_usable()
+                seq = self._append_locked((Kind.UPLOAD, dst, [src.dtype, list(src.shape), nbytes]))
+                try:
+                    self._flush_locked()
+                    last = 0
+                    for off in range(0, nbytes, chunk):
+                        last = self._send(chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]), tag)
+                        progress.update_to(self._writer.bytes_written - start)
+                except BaseException:
+                    self._cancel_upload(seq, tag)
+                    raise
+            # the call returns once every byte is written: the caller may change `src` after that
+            try:
+                while not self._writer.wait_written(last, 0.1):
+                    self._check_usable()
+                    progress.update_to(self._writer.bytes_written - start)
+            except BaseException:
+                with self.lock:
+                    self._cancel_upload(seq, tag)
+                raise
+        finally:
+            progress.close()
+
+    def _cancel_upload(self, seq: int, tag: object) -> None:
+        """Withdraw an upload's unwritten chunks and tell the server to drop it (dst is poisoned)."""
+        self._writer.withdraw(tag)
+        if self._broken is not None or self.closed:
+            return
+        if self._pending:
+            self._flush_locked()  # the UPLOAD message itself, if the interrupt beat its flush
+        self._send(chunk_frame(Frame.CHUNK, seq, ABORT_OFFSET, b""))
 
     def download(self, w: RemoteTensor) -> torch.Tensor:
         """The values of `w` as a new CPU tensor with the same shape (one wait)."""
@@ -342,7 +414,7 @@ class Session:
         def sink(offset: int, payload: memoryview) -> None:
             view[offset : offset + len(payload)] = payload
 
-        value = self.request((Kind.DOWNLOAD, w), sink)
+        value = self.request((Kind.DOWNLOAD, w), sink, progress=TransferProgress(nbytes, "rgpu download"))
         if type(value) is bytes:
             if len(value) != nbytes:
                 raise ProtocolViolation(f"download of {nbytes} bytes returned {len(value)}")
@@ -372,10 +444,29 @@ class Session:
                 pass
             self.closed = True
         self._quiet_kick.set()
+        self._writer.close()
         self.conn.close()
         self._mark_broken_quietly()
         if self.local_process is not None:
             self.local_process.stop()
+
+    @property
+    def state(self) -> str:
+        """"connected", "lost" (the link dropped) or "closed" (disconnected on purpose)."""
+        if self.closed:
+            return "closed"
+        if self._broken is not None:
+            return "lost"
+        return "connected"
+
+    def ping(self, timeout: float = 10.0) -> float:
+        """Round-trip time to the server in seconds, measured now (a websocket ping)."""
+        self._check_usable()
+        t0 = time.perf_counter()
+        pong = self.conn.ws.ping()
+        if not pong.wait(timeout):
+            raise ConnectionLost(f"the rgpu server at {self.url} did not answer a ping within {timeout} s")
+        return time.perf_counter() - t0
 
     def _mark_broken_quietly(self) -> None:
         for w in list(self._waiters.values()):

@@ -62,6 +62,13 @@ class ConnectionGone(Exception):
     """The connection dropped while the worker needed more frames from it."""
 
 
+class UploadAborted(Exception):
+    """The client cancelled an upload midway (Ctrl-C); its destination is poisoned."""
+
+
+ABORT_OFFSET = (1 << 64) - 1  # a CHUNK at this offset cancels the upload it belongs to
+
+
 class _Stop:
     """Inbox sentinel: the connection closed."""
 
@@ -174,6 +181,9 @@ class Session:
         if kind == Frame.BATCH:
             self._run_batch(frame)
         elif kind == Frame.CHUNK:
+            seq, offset, _ = parse_chunk(frame, self.limits)
+            if offset == ABORT_OFFSET and seq <= self.last_seq:
+                return  # the cancelled upload had already arrived whole; nothing to undo
             raise ProtocolError("a CHUNK frame arrived that no UPLOAD announced")
         else:
             raise ProtocolError(f"a client may not send frame kind {kind}")
@@ -481,7 +491,13 @@ class Session:
             raise ProtocolError("UPLOAD takes a destination and data")
         dst, data = msg[1], msg[2]
         if type(data) is list:  # chunked: [dtype, shape, nbytes], CHUNK frames follow
-            host = self._receive_chunks(seq, data)
+            try:
+                host = self._receive_chunks(seq, data)
+            except UploadAborted:
+                poison = Poison("upload", "the upload was interrupted on the client; this tensor holds no data")
+                if self._refs and isinstance(dst, torch.Tensor):
+                    self.tensors[self._refs[0]] = poison
+                return
         elif isinstance(data, torch.Tensor):
             host = data
         else:
@@ -523,6 +539,8 @@ class Session:
             if not frame or frame[0] != Frame.CHUNK:
                 raise ProtocolError("UPLOAD expected a CHUNK frame next")
             cseq, offset, payload = parse_chunk(frame, self.limits)
+            if offset == ABORT_OFFSET and cseq == seq:
+                raise UploadAborted()
             if cseq != seq or offset != got or got + len(payload) > nbytes or not payload:
                 raise ProtocolError(f"CHUNK for seq {cseq} at offset {offset} does not continue UPLOAD {seq}")
             view[got : got + len(payload)] = payload
