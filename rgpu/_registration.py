@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import device_module, dispatch, tensor
+from . import autocast, device_module, dispatch, host_memory, tensor
 
 _libs: list[torch.library.Library] = []  # registrations die with their Library object
 _SKIP = ("sparse", "quantized", "mkldnn", "nested", "cudnn", "miopen", "_make_dep_token", "from_file", "fbgemm", "vulkan", "mps")
@@ -57,6 +57,8 @@ def register() -> None:
         lib.impl(op, dispatch.factory(op), "PrivateUse1")
     lib.impl("_copy_from", dispatch.copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", dispatch.copy_from_and_resize, "PrivateUse1")
+    autocast.install()
+    host_memory.install()
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt
 

@@ -92,6 +92,11 @@ def get() -> Session | None:
     return _current
 
 
+def initial_seed() -> int:
+    """The seed last given to this session's generator (torch's default seed if none was)."""
+    return _pending_seed if _pending_seed is not None else 67280421310721
+
+
 def seed(value: int) -> None:
     """Seed the server's generator for this session now, or at connect if not connected yet."""
     global _pending_seed

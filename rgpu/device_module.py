@@ -37,6 +37,20 @@ def set_device(device: object) -> None:
         raise ValueError(f"rgpu has one device, rgpu:0; cannot select {device!r}")
 
 
+class device:
+    """Context manager selecting an rgpu device; there is only rgpu:0, so it checks and does nothing."""
+
+    def __init__(self, device: object) -> None:
+        if device is not None and not (isinstance(device, int) and device in (-1, 0)):
+            set_device(device)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def synchronize(device: object = None) -> None:
     """Wait until the server has run everything sent so far (one wait)."""
     _cur.current().request((Kind.SYNC,))
@@ -61,14 +75,51 @@ def memory_allocated(device: object = None) -> int:
     return int(_cur.current().info()["bytes"])
 
 
+def get_rng_state(device: object = None) -> torch.Tensor:
+    """This session's generator state on the server, as a CPU uint8 tensor (one wait)."""
+    state = _cur.current().request((Kind.RNG_GET,))
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+
+
+def set_rng_state(new_state: torch.Tensor, device: object = None) -> None:
+    """Restore a state from `get_rng_state` (no wait)."""
+    data = new_state.detach().cpu().contiguous().to(torch.uint8)
+    _cur.current().post((Kind.RNG_SET, bytes(data.numpy().tobytes())))
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state()]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    set_rng_state(new_states[0])
+
+
+def initial_seed() -> int:
+    return _cur.initial_seed()
+
+
+def seed() -> None:
+    """Seed this session's generator with a random number."""
+    import random
+
+    _cur.seed(random.getrandbits(63))
+
+
+def seed_all() -> None:
+    seed()
+
+
 def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 
 
 module = types.ModuleType("torch.rgpu")
+module._initialized = True  # torch.utils.checkpoint only saves device RNG states when this is set
 for _name in (
     "is_available", "is_initialized", "_is_in_bad_fork", "device_count", "current_device",
     "set_device", "synchronize", "manual_seed", "manual_seed_all", "get_device_name",
-    "memory_allocated", "get_amp_supported_dtype",
+    "memory_allocated", "get_amp_supported_dtype", "get_rng_state", "set_rng_state",
+    "get_rng_state_all", "set_rng_state_all", "initial_seed", "seed", "seed_all", "device",
 ):  # fmt: skip
     setattr(module, _name, globals()[_name])

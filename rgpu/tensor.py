@@ -100,12 +100,12 @@ class RemoteTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, proto: int) -> Any:
-        """Pickle (and torch.save) the data as a CPU tensor: loadable anywhere, even without rgpu."""
-        return (_rebuild_cpu, (self.detach().cpu(), self.requires_grad))
-
-
-def _rebuild_cpu(data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    return data.requires_grad_(requires_grad) if requires_grad else data
+        """Pickle (and torch.save) as a plain CPU tensor: loadable anywhere, with weights_only=True
+        and without rgpu. `load_state_dict` moves it back onto rgpu parameters."""
+        data = self.detach().cpu()
+        if self.requires_grad:
+            data.requires_grad_(True)
+        return data.__reduce_ex__(proto)
 
 
 def _dispatch(func, args, kwargs):  # replaced by rgpu.dispatch at import

@@ -149,3 +149,14 @@ def test_an_op_too_big_for_one_message_is_refused_at_the_call(dev, session):
     with pytest.raises(TypeError, match="message limit"):
         torch.ones(3, device=dev)[big_index]
     assert torch.ones(2, device=dev).sum().item() == 2.0
+
+
+def test_zero_tensors_from_autograd_do_not_crash_the_server(dev, session):
+    # autograd makes "efficient zero tensors" for zero gradients (sgn's backward does); on the
+    # server they once crashed the process for every session
+    x = torch.tensor([[1.0, -2.0], [0.0, 3.0]], device=dev, requires_grad=True)
+    torch.sgn(x).sum().backward()
+    assert torch.equal(x.grad.cpu(), torch.zeros(2, 2))
+    z = torch._efficientzerotensor((3,), device=dev)
+    assert torch.equal((z + 1).cpu(), torch.ones(3))
+    assert session.info()["tensors"] >= 0

@@ -30,7 +30,7 @@ from rgpu.protocol import (
     welcome_frame,
 )
 
-from . import __version__
+from . import __version__, kernels
 from .session import Session
 
 log = logging.getLogger("rgpu_server")
@@ -68,6 +68,7 @@ def pick_device(spec: str | None) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise SystemExit("rgpu-server: --device mps was asked for, but MPS is not available here")
     torch.empty(1, device=device)
+    kernels.install(device)
     return device
 
 

@@ -31,6 +31,15 @@ BLOCKED: dict[str, str] = {
 }
 
 
+# Ops run as another op with the same arguments and the same values. `_efficientzerotensor` makes
+# a ZeroTensor (no storage; autograd uses it for zero gradients), and later ops on one have crashed
+# the server process; a real zero tensor behaves the same for every client-visible purpose.
+SUBSTITUTES: dict[str, str] = {
+    "_efficientzerotensor.default": "zeros.default",
+    "_efficientzerotensor.out": "zeros.out",
+}
+
+
 class OpRefused(Exception):
     """The client named an operator it may not run; reported like any op failure."""
 
@@ -60,6 +69,11 @@ def resolve(name: str) -> ResolvedOp:
     why = BLOCKED.get(name) or BLOCKED.get(base)
     if why:
         raise OpRefused(f"aten::{name} is not allowed on an rgpu server: it {why}")
+    if name in SUBSTITUTES:
+        sub = resolve(SUBSTITUTES[name])
+        resolved = ResolvedOp(sub.op, f"aten::{name}", sub.takes_generator, sub.seeded, sub.writes)
+        _cache[name] = resolved
+        return resolved
     packet = getattr(torch.ops.aten, base, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         raise OpRefused(f"no operator aten::{base} in this server's torch {torch.__version__}")

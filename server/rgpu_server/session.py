@@ -380,10 +380,11 @@ class Session:
             if i is not None:
                 if type(i) is not int:
                     raise ProtocolError("output ids must be integers or null")
-                if not isinstance(v, torch.Tensor):
+                if isinstance(v, torch.Tensor):
+                    tensors[i] = v
+                elif v is not None:  # None: an undefined optional output (e.g. a masked-out grad)
                     self._fail(resolved.label, f"expected a tensor output, got {type(v).__name__}", outs)
                     return
-                tensors[i] = v
 
     def _check_expected(self, label: str, flat: list, expect, outs) -> list | None:
         """Make outputs match the client's predicted layout (a copy when only strides differ)."""

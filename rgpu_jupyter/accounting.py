@@ -1,0 +1,222 @@
+"""Per-cell accounting: what each notebook cell cost the remote device.
+
+IPython's `pre_run_cell` / `post_run_cell` events bracket every (non-silent) cell. A snapshot of
+`rgpu.stats()` at each end gives the cell's messages, waits and bytes. Cells are keyed by the
+frontend's `cell_id` (JupyterLab sends one; re-running a cell replaces its row) and, when there is
+none (nbclient, nbval, a terminal), by a counter. Never by `execution_count`: nbval executes with
+`store_history=False`, which leaves it the same for every cell.
+
+The hooks never print and never raise: IPython prints a hook's traceback into the cell's output,
+which would corrupt every cell (and every nbval comparison) after one bug.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import rgpu
+
+log = logging.getLogger("rgpu_jupyter")
+
+COUNTERS = ("messages", "waits", "bytes_out", "bytes_in", "frames", "wait_seconds")
+_ZERO: dict[str, float] = {k: 0 for k in COUNTERS}
+
+
+@dataclass
+class CellCost:
+    """One cell's counters (a difference of two `rgpu.stats()` snapshots) and its wall time."""
+
+    key: str
+    label: str
+    number: int  # order of execution since the extension was loaded (1, 2, ...)
+    messages: int = 0
+    waits: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    frames: int = 0
+    wait_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    success: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def touched_rgpu(self) -> bool:
+        return bool(self.messages or self.waits or self.bytes_out or self.bytes_in)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cell": self.number,
+            "label": self.label,
+            "messages": self.messages,
+            "waits": self.waits,
+            "bytes_out": self.bytes_out,
+            "bytes_in": self.bytes_in,
+            "wait_seconds": self.wait_seconds,
+            "wall_seconds": self.wall_seconds,
+        }
+
+
+def cell_label(source: str, width: int = 32) -> str:
+    """The first line of code that says what a cell does (cell magics and comments skipped)."""
+    for line in source.splitlines():
+        s = line.strip()
+        if not s or s.startswith("#") or s.startswith("%%"):
+            continue
+        return s if len(s) <= width else s[: width - 1] + "…"
+    return ""
+
+
+class Snapshot:
+    """Counters of the current session at one moment, tied to that session.
+
+    A new session starts its counters at zero, so a difference across a reconnect would go
+    negative; `since` then counts from the new session's start instead.
+    """
+
+    __slots__ = ("session", "values")
+
+    def __init__(self, session: object, values: dict[str, float]) -> None:
+        self.session = session
+        self.values = values
+
+    def since(self, start: Snapshot) -> dict[str, float]:
+        base = start.values if start.session is self.session else _ZERO
+        return {k: self.values.get(k, 0) - base.get(k, 0) for k in COUNTERS}
+
+
+def _rgpu_snapshot() -> Snapshot:
+    return Snapshot(rgpu.current_session(), rgpu.stats())
+
+
+class CellAccounting:
+    """Records every cell's cost from IPython's run-cell events; keeps the most recent ones.
+
+    `snapshot` is where the counters come from (`rgpu.stats()` of the current session by default;
+    tests pass a fake). Safe to read from another thread (the widget's timer) while cells run.
+    """
+
+    def __init__(self, snapshot: Callable[[], Snapshot] = _rgpu_snapshot, keep: int = 20) -> None:
+        self.snapshot = snapshot
+        self.keep = keep
+        self.history: OrderedDict[str, CellCost] = OrderedDict()
+        self.version = 0  # bumped whenever history changes, so watchers can skip re-rendering
+        self.errors = 0  # exceptions swallowed by the hooks (inspect these when debugging)
+        self._counter = 0
+        # the running cell: (ExecutionInfo, key, label, number, start snapshot, start time)
+        self._running: tuple[Any, str, str, int, Snapshot, float] | None = None
+        self._lock = threading.Lock()
+        self._shell: Any = None
+
+    # -- IPython events ----------------------------------------------------------------------
+
+    def register(self, shell: Any) -> None:
+        """Attach to `shell`'s events, replacing any accounting an earlier load left behind."""
+        for event in ("pre_run_cell", "post_run_cell"):
+            for cb in list(shell.events.callbacks.get(event, [])):
+                if type(getattr(cb, "__self__", None)).__name__ == type(self).__name__:
+                    shell.events.unregister(event, cb)
+        shell.events.register("pre_run_cell", self.pre_run_cell)
+        shell.events.register("post_run_cell", self.post_run_cell)
+        self._shell = shell
+
+    def unregister(self) -> None:
+        shell, self._shell = self._shell, None
+        if shell is None:
+            return
+        for event, cb in (
+            ("pre_run_cell", self.pre_run_cell),
+            ("post_run_cell", self.post_run_cell),
+        ):
+            try:
+                shell.events.unregister(event, cb)
+            except ValueError:
+                pass
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        try:
+            if self._running is not None:
+                return  # a nested run_cell (%%capture, %run -i ...) belongs to the outer cell
+            self._counter += 1
+            cell_id = getattr(info, "cell_id", None)
+            key = str(cell_id) if cell_id else f"#{self._counter}"
+            label = cell_label(getattr(info, "raw_cell", "") or "")
+            start = self.snapshot()
+            self._running = (info, key, label, self._counter, start, time.perf_counter())
+        except Exception:  # a hook must never disturb the user's cell
+            self.errors += 1
+            log.debug("rgpu_jupyter: pre_run_cell failed", exc_info=True)
+
+    def post_run_cell(self, result: Any = None) -> None:
+        try:
+            running = self._running
+            # IPython fires post_run_cell without pre_run_cell for an empty cell, nested or not:
+            # finish only the cell we started (result is None when run_cell itself failed)
+            if running is None or (
+                result is not None and getattr(result, "info", None) is not running[0]
+            ):
+                return
+            cost = self._finish(getattr(result, "success", True))
+            if cost.touched_rgpu:
+                with self._lock:
+                    self.history.pop(cost.key, None)
+                    self.history[cost.key] = cost
+                    while len(self.history) > max(1, self.keep):
+                        self.history.popitem(last=False)
+                    self.version += 1
+        except Exception:
+            self.errors += 1
+            log.debug("rgpu_jupyter: post_run_cell failed", exc_info=True)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _finish(self, success: bool) -> CellCost:
+        _, key, label, number, start, t0 = self._running  # type: ignore[misc]
+        self._running = None
+        delta = self.snapshot().since(start)
+        return make_cost(key, label, number, delta, time.perf_counter() - t0, success)
+
+    def live(self) -> CellCost | None:
+        """The running cell's cost so far, or None between cells (called from the widget's timer)."""
+        running = self._running
+        if running is None:
+            return None
+        _, key, label, number, start, t0 = running
+        return make_cost(
+            key, label, number, self.snapshot().since(start), time.perf_counter() - t0, True
+        )
+
+    def recent(self, n: int | None = None) -> list[CellCost]:
+        """The last `n` recorded cells (all kept ones by default), oldest first."""
+        with self._lock:
+            rows = list(self.history.values())
+        return rows if n is None else rows[-n:] if n > 0 else []
+
+    def clear(self) -> None:
+        with self._lock:
+            self.history.clear()
+            self.version += 1
+
+
+def make_cost(
+    key: str, label: str, number: int, d: dict[str, float], wall: float, success: bool
+) -> CellCost:
+    """A `CellCost` from a counter difference (`Snapshot.since`)."""
+    return CellCost(
+        key=key,
+        label=label,
+        number=number,
+        messages=int(d["messages"]),
+        waits=int(d["waits"]),
+        bytes_out=int(d["bytes_out"]),
+        bytes_in=int(d["bytes_in"]),
+        frames=int(d["frames"]),
+        wait_seconds=float(d["wait_seconds"]),
+        wall_seconds=wall,
+        success=success,
+    )

@@ -1,0 +1,251 @@
+"""The `%rgpu` line magic and `%%rgpu` cell magic.
+
+Settings are traitlets, so `%config RgpuMagics.widget = False` (or `ipython_config.py`) works.
+Every user mistake (bad arguments, no connection, an unreachable server) is a one-line
+`UsageError`, which notebooks show without a traceback.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+from traitlets import Bool, Float, Int, default, observe, validate
+from traitlets.config import Configurable
+
+import rgpu
+
+from .accounting import CellAccounting, make_cost
+from .report import CellStats, cell_line, format_bytes, format_seconds, plural
+
+
+@magics_class
+class RgpuMagics(Magics, Configurable):
+    """Connect to an rgpu server and see what each cell costs it."""
+
+    widget = Bool(True, help="Show the live stats widget after %rgpu connect.").tag(config=True)
+    stats_interval = Float(0.2, help="Seconds between widget refreshes (at least 0.1).").tag(
+        config=True
+    )
+    history = Int(20, help="How many recent cells %rgpu stats and the widget remember.").tag(
+        config=True
+    )
+    widget_rows = Int(8, help="How many recent cells the widget's chart shows.").tag(config=True)
+    progress_mb = Float(
+        help="Transfers of at least this many MiB show a progress bar (0 turns bars off)."
+    ).tag(config=True)
+
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        Configurable.__init__(self, config=shell.config if shell is not None else None, **kwargs)
+        Magics.__init__(self, shell=shell)
+        self.accounting = CellAccounting(keep=self.history)
+        self._widget: Any = None
+
+    @default("progress_mb")
+    def _progress_mb_default(self) -> float:
+        return rgpu.settings.progress_bytes / (1 << 20)
+
+    @observe("progress_mb")
+    def _progress_mb_changed(self, change: dict) -> None:
+        rgpu.settings.progress_bytes = int(change["new"] * (1 << 20))
+
+    @validate("stats_interval")
+    def _valid_interval(self, proposal: dict) -> float:
+        return max(0.1, float(proposal["value"]))  # the widget refreshes at most 10 times a second
+
+    @observe("history")
+    def _history_changed(self, change: dict) -> None:
+        if hasattr(self, "accounting"):
+            self.accounting.keep = change["new"]
+
+    # -- the magic ---------------------------------------------------------------------------
+
+    @magic_arguments()
+    @argument(
+        "action",
+        nargs="?",
+        choices=["connect", "disconnect", "status", "stats", "widget"],
+        help="what to do (see above)",
+    )
+    @argument(
+        "target", nargs="?", default=None, help="for connect: ws://HOST:PORT, HOST:PORT or local"
+    )
+    @argument(
+        "--token", default=None, help="for connect: the server's token (default: $RGPU_TOKEN)"
+    )
+    @argument(
+        "-o", "--object", action="store_true", help="for stats: return the table as an object"
+    )
+    @argument("--clear", action="store_true", help="for stats: forget the recorded cells")
+    @line_cell_magic
+    def rgpu(self, line: str, cell: str | None = None) -> Any:
+        """Use a remote GPU from this notebook, and see what each cell costs it.
+
+        %rgpu connect [URL | local] [--token T]
+            Connect (same rules as rgpu.connect: no URL means $RGPU_SERVER, else an embedded
+            local server) and print the server, its device and the round-trip time; then show
+            the live widget (unless %config RgpuMagics.widget = False).
+        %rgpu disconnect
+            End the session; its tensors are freed on the server.
+        %rgpu status
+            Server URL, device, server and client versions, session id, tensors and bytes this
+            session holds on the server, and the round-trip time measured now.
+        %rgpu stats [-o] [--clear]
+            A table of recent cells: messages, waits, bytes out/in, time spent waiting, wall
+            time. -o returns it as an object (text and HTML reprs; .as_dicts() for pandas).
+        %rgpu widget
+            Show the live widget again.
+
+        %%rgpu
+            As the first line of a cell: run the cell, then print what it cost in one line,
+            e.g. "rgpu: 104 messages, 1 wait, 3.3 KiB out, 12 B in". A message is one op or
+            request sent to the server; a wait is one point where Python blocked for its answer
+            (waits x round-trip time is the latency bill).
+
+        Settings: %config RgpuMagics.widget, .stats_interval, .history, .widget_rows,
+        .progress_mb (progress bars for transfers at least this big).
+        """
+        if cell is not None:
+            if line.strip():
+                raise UsageError("%%rgpu takes no arguments; use %rgpu ACTION on a line of its own")
+            return self._run_counted(cell)
+        args = parse_argstring(self.rgpu, line)
+        if args.action is None:
+            raise UsageError(
+                "%rgpu needs an action: connect, disconnect, status, stats or widget (see %rgpu?)"
+            )
+        if args.action != "connect" and (args.target is not None or args.token is not None):
+            raise UsageError(f"%rgpu {args.action} takes no URL or token")
+        if args.action != "stats" and (args.object or args.clear):
+            raise UsageError(f"-o and --clear belong to %rgpu stats, not %rgpu {args.action}")
+        return getattr(self, "_do_" + args.action)(args)
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def _do_connect(self, args: Any) -> None:
+        try:
+            session = rgpu.connect(args.target, token=args.token)
+            rtt = session.ping()
+        except rgpu.RgpuError as e:
+            raise UsageError(f"rgpu: {e}") from None
+        print(
+            f"rgpu: connected to {session.url}, {session.device} ({session.device_name}), RTT {format_seconds(rtt)}"
+        )
+        if self._widget is not None:
+            self._widget.rtt = rtt
+        if self.widget and self._frontend_shows_widgets():
+            self._show_widget(rtt)
+
+    def _do_disconnect(self, args: Any) -> None:
+        session = self._session()
+        url = session.url
+        rgpu.disconnect()
+        print(f"rgpu: disconnected from {url}")
+
+    def _do_status(self, args: Any) -> None:
+        session = self._session()
+        lines = [
+            (
+                "server",
+                f"{session.url} (rgpu-server {session.server_version}, torch {session.server_torch})",
+            ),
+            ("device", f"{session.device} ({session.device_name})"),
+            ("client", f"rgpu {rgpu.__version__}, torch {_client_torch()}"),
+            ("session", session.session_id),
+            ("state", session.state),
+        ]
+        if session.state == "connected":
+            try:
+                info = session.info()
+                rtt = session.ping()
+            except rgpu.ConnectionLost as e:
+                lines.append(("held", f"unknown: {e}"))
+            else:
+                held = f"{plural(info['tensors'], 'tensor')}, {format_bytes(info['bytes'])}"
+                lines.append(("held", held + " on the server"))
+                lines.append(("RTT", format_seconds(rtt)))
+                if self._widget is not None:
+                    self._widget.rtt = rtt
+        width = max(len(k) for k, _ in lines)
+        print("\n".join(f"{k.ljust(width)}  {v}" for k, v in lines))
+
+    def _do_stats(self, args: Any) -> CellStats | None:
+        table = CellStats(self.accounting.recent())
+        if args.clear:
+            self.accounting.clear()
+        if args.object:
+            return table
+        print(repr(table))
+        return None
+
+    def _do_widget(self, args: Any) -> None:
+        if not self._frontend_shows_widgets():
+            raise UsageError(
+                "rgpu: the widget needs a Jupyter frontend; in a terminal use %rgpu stats"
+            )
+        self._show_widget()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _session(self) -> Any:
+        session = rgpu.current_session()
+        if session is None or session.state == "closed":
+            raise UsageError("rgpu: not connected; run %rgpu connect [URL | local] first")
+        return session
+
+    def _frontend_shows_widgets(self) -> bool:
+        """A Jupyter kernel can show widgets; a terminal IPython cannot."""
+        return getattr(self.shell, "kernel", None) is not None
+
+    def _show_widget(self, rtt: float | None = None) -> Any:
+        try:
+            from .widget import RgpuWidget
+        except ImportError as e:
+            raise UsageError(
+                f"rgpu: the widget needs ipywidgets ({e}); pip install 'jupyter-rgpu[jupyter]'"
+            ) from None
+        w = self._widget
+        if w is None or w.comm is None:
+            w = self._widget = RgpuWidget(
+                self.accounting, interval=self.stats_interval, rows=self.widget_rows
+            )
+        if rtt is not None:
+            w.rtt = rtt
+        display(w)
+        return w
+
+    def _run_counted(self, cell: str) -> Any:
+        """Run a cell like %%time does, then print its one-line cost, also when it raises."""
+        shell = self.shell
+        source = shell.transform_cell(cell)
+        tree = shell.transform_ast(shell.compile.ast_parse(source))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        filename = shell.compile.cache(source)
+        body = shell.compile(tree, filename, "exec")
+        tail = shell.compile(last, filename, "eval") if last is not None else None
+        ns = shell.user_ns
+        start = self.accounting.snapshot()
+        try:
+            exec(body, ns)
+            return eval(tail, ns) if tail is not None else None
+        finally:
+            end = self.accounting.snapshot()
+            print(cell_line(make_cost("", "", 0, end.since(start), 0.0, True)))
+
+    def close(self) -> None:
+        """Stop the widget's timer and close it (on %unload_ext)."""
+        if self._widget is not None:
+            self._widget.close()
+            self._widget = None
+
+
+def _client_torch() -> str:
+    import torch
+
+    return torch.__version__
