@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from . import current as _cur
 from . import tensor as _tensor
-from .protocol import Kind, TensorMeta
-from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, patch_metadata, wrap, wrap_with_id
+from .protocol import Kind, TensorMeta, ref_ext
+from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, patch_metadata, wrap, wrap_view, wrap_with_id
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -144,13 +144,14 @@ _VALUE = 4
 class Plan:
     """Cached result of meta inference for one key: how to build the outputs and out ids."""
 
-    __slots__ = ("spec", "patches", "expect", "single_key")
+    __slots__ = ("spec", "patches", "expect", "single_key", "view")
 
-    def __init__(self, spec, patches, expect, single_key) -> None:
+    def __init__(self, spec, patches, expect, single_key, view=False) -> None:
         self.spec = spec  # nested (kind, payload) mirroring the op's result
         self.patches = patches  # ((path, new_key), ...) for inputs whose metadata changed
         self.expect = expect  # list of TensorMeta|None aligned with out ids, or None
         self.single_key = single_key  # fast path: one fresh tensor output with this key
+        self.view = view  # outputs are views of argument 0: made locally, nothing is sent
 
 
 def _to_meta(x: Any, path: tuple, paths: dict, memo: dict) -> Any:
@@ -226,12 +227,39 @@ def _infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     patches = tuple(
         (path, key_of_meta(m)) for path, m, key in paths.values() if key_of_meta(m) != key
     )
+    if not patches and _views_of_first_arg(out, margs):
+        return Plan(spec, (), None, None, view=True)
     expect = None
     if sess.check_meta:
         expect = [TensorMeta(k[0], k[1], k[2], k[3], bool(k[5] & 1), bool(k[5] & 2)) if k is not None else None
                   for k in _flat_new_keys(spec)]  # fmt: skip
     single = spec[1] if spec[0] == _NEW and not patches and expect is None else None
     return Plan(spec, patches, expect, single)
+
+
+def _views_of_first_arg(out: Any, margs: tuple) -> bool:
+    """True when every output is a fresh view over argument 0's storage, in the same dtype and
+    without conj/neg bits: then `base.as_strided(...)` on the server reproduces it exactly."""
+    if not margs or not isinstance(margs[0], torch.Tensor) or margs[0].device.type != "meta":
+        return False
+    base = margs[0]
+    if base.is_conj() or base.is_neg():
+        return False
+    storage = base.untyped_storage()._cdata
+    outs = out if type(out) in (list, tuple) else (out,)
+    if not outs:
+        return False
+    for o in outs:
+        if (
+            not isinstance(o, torch.Tensor)
+            or o is base
+            or o.untyped_storage()._cdata != storage
+            or o.dtype != base.dtype
+            or o.is_conj()
+            or o.is_neg()
+        ):
+            return False
+    return True
 
 
 def _flat_new_keys(spec: tuple) -> list:
@@ -308,8 +336,18 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         out = wrap(sess, single)
         sess.post((_RUN, info.wire, args, kwargs or None, [out._r.id]))
         return out
+    if plan.view:
+        base: Handle = args[0]._r
+        kind, payload = plan.spec
+        if kind == _NEW:
+            return wrap_view(sess, payload, base)
+        typ, children = payload
+        return typ(wrap_view(sess, c[1], base) for c in children)
     for path, new_key in plan.patches:
-        patch_metadata(_at(args, kwargs, path), new_key)
+        target = _at(args, kwargs, path)
+        if target._r.base is not None:
+            materialize(target, sess)
+        patch_metadata(target, new_key)
     ids: list = []
     out = _build(plan.spec, args, kwargs, sess, ids)
     if plan.expect is None:
@@ -335,6 +373,18 @@ def _run_non_aten(func, args: tuple, kwargs: dict) -> Any:
         f"rgpu runs aten operators; {func} is not one and has no decomposition into aten "
         "operators, so it cannot run on the rgpu server"
     )
+
+
+def materialize(w: RemoteTensor, sess) -> None:
+    """Give a lazy view its own server entry (before an op changes its metadata in place)."""
+    h = w._r
+    if h.base is None:
+        return
+    tid = _tensor.next_id()
+    sess.post((_RUN, "alias.default", [w], None, [tid]))
+    h.id = tid
+    h.base = None
+    h.ext = ref_ext(tid)
 
 
 # -- ops that need the server's answer --------------------------------------------------------

@@ -32,6 +32,7 @@ from .protocol import (
     Status,
     batch_frame,
     byte_view,
+    default,
     chunk_frame,
     host_ext,
     parse_chunk,
@@ -53,7 +54,7 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def _encode_extra(obj: Any) -> Any:
+def _encode_hook(obj: Any) -> Any:
     """Client-side msgpack conversions: RemoteTensor -> ref, CPU tensor -> inline host data."""
     if type(obj) is RemoteTensor:
         return obj._r.ext
@@ -69,7 +70,7 @@ def _encode_extra(obj: Any) -> Any:
             "rgpu ops cannot take a torch.Generator: the server keeps one generator per session. "
             "Seed it with torch.manual_seed(...) or torch.rgpu.manual_seed(...)."
         )
-    return NotImplemented
+    return default(obj)
 
 
 class Waiter:
@@ -126,7 +127,7 @@ class Session:
         self._broken: BaseException | None = None
         self.closed = False
         self.local_process = local_process
-        self._encode = Encoder(_encode_extra).encode
+        self._encode = Encoder(_encode_hook).encode
         self._quiet_kick = threading.Event()
         self.conn = Connection(
             url,

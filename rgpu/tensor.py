@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from .protocol import ref_ext
+from .protocol import ref_ext, view_ext
 
 if TYPE_CHECKING:
     from .session import Session
@@ -28,17 +28,28 @@ Key = tuple
 
 
 class Handle:
-    """The server-side identity of a RemoteTensor; frees it when the last wrapper dies."""
+    """The server-side identity of a RemoteTensor; frees it when the last wrapper dies.
 
-    __slots__ = ("id", "ext", "key", "sess", "__weakref__")
+    A *lazy view* (`base` set) has no server-side entry at all: it is sent as "this view of
+    `base`" wherever it is used, so view ops (`view`, `t`, `transpose`, `detach`, `expand`, ...)
+    cost no message. It keeps `base` alive, as a real view keeps its storage alive.
+    """
 
-    def __init__(self, sess: Session, tid: int, key: Key) -> None:
+    __slots__ = ("id", "ext", "key", "sess", "base", "__weakref__")
+
+    def __init__(self, sess: Session, tid: int, key: Key, base: Handle | None = None) -> None:
         self.id = tid
-        self.ext = ref_ext(tid)
         self.key = key
         self.sess = sess
+        self.base = base
+        if base is None:
+            self.ext = ref_ext(tid)
+        else:
+            self.ext = view_ext(base.id, key[1], key[2], key[3])
 
     def __del__(self) -> None:
+        if self.base is not None:
+            return
         try:
             frees = self.sess.frees
             frees.append(self.id)
@@ -137,6 +148,16 @@ def wrap(sess: Session, key: Key) -> RemoteTensor:
     return w
 
 
+def wrap_view(sess: Session, key: Key, of: Handle) -> RemoteTensor:
+    """A lazy view with metadata `key` over the storage of `of` (no server message)."""
+    dtype, shape, stride, offset, nbytes, flags = key
+    w = _make(
+        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=DEVICE, storage_size=nbytes
+    )
+    w._r = Handle(sess, 0, key, of.base or of)
+    return w
+
+
 def wrap_with_id(sess: Session, key: Key, tid: int) -> RemoteTensor:
     w = wrap(sess, key)
     w._r.id = tid
@@ -180,7 +201,10 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
                 torch._C._set_meta_in_tls_dispatch_include(False)
         else:
             torch.ops.aten.as_strided_.default(w, shape, stride, offset)
-    w._r.key = key
+    h = w._r
+    h.key = key
+    if h.base is not None:
+        h.ext = view_ext(h.base.id, shape, stride, offset)
 
 
 def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int) -> Key:

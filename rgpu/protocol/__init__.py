@@ -11,15 +11,19 @@ from .codec import (
     CODE_TO_DTYPE,
     EXT_HOST,
     EXT_REF,
+    EXT_VIEW,
     Device,
     Encoder,
     HostData,
     Limits,
     Ref,
     TensorMeta,
+    ViewRef,
     check_depth,
     decode_host,
     decode_simple_ext,
+    decode_view,
+    default,
     default_ext_hook,
     host_ext,
     make_unpacker,
@@ -27,6 +31,7 @@ from .codec import (
     ref_ext,
     unpack_one,
     unpack_ref,
+    view_ext,
 )
 from .errors import EncodeError, LimitExceeded, ProtocolError
 from .messages import (

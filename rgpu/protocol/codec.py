@@ -26,6 +26,7 @@ EXT_MEMFMT = 5  # u8 memory-format code
 EXT_HOST = 6  # small CPU tensor: u8 dtype, u8 ndim, i64 shape[ndim], raw bytes
 EXT_COMPLEX = 7  # two f64
 EXT_META = 8  # tensor metadata: u8 dtype, u8 ndim, u8 flags, i64 shape, i64 stride, i64 offset
+EXT_VIEW = 9  # a view of a tensor: u64 base id, u8 ndim, i64 shape, i64 stride, i64 offset
 
 # Fixed wire codes. Never renumber; append only.
 _DTYPE_NAMES = (
@@ -95,8 +96,42 @@ class TensorMeta:
     neg: bool = False
 
 
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    # ExtType's own __new__ re-checks its arguments in Python; these are known good
+    return tuple.__new__(msgpack.ExtType, (code, data))
+
+
 def ref_ext(tensor_id: int) -> msgpack.ExtType:
-    return msgpack.ExtType(EXT_REF, _U64.pack(tensor_id))
+    return _ext(EXT_REF, _U64.pack(tensor_id))
+
+
+def view_ext(base_id: int, shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> msgpack.ExtType:
+    """A tensor that is `base.as_strided(shape, stride, offset)`: a view the server never stored."""
+    n = len(shape)
+    return _ext(EXT_VIEW, struct.pack(f"<QB{2 * n + 1}q", base_id, n, *shape, *stride, offset))
+
+
+@dataclass(frozen=True, slots=True)
+class ViewRef:
+    """A view reference as it appears after decoding with the default hook."""
+
+    base: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+def decode_view(data: bytes) -> ViewRef:
+    if len(data) < 9:
+        raise ProtocolError("view reference is truncated")
+    base, n = struct.unpack_from("<QB", data)
+    if n > MAX_NDIM or len(data) != 9 + 8 * (2 * n + 1):
+        raise ProtocolError("view reference has the wrong length")
+    vals = struct.unpack_from(f"<{2 * n + 1}q", data, 9)
+    shape = vals[:n]
+    if any(s < 0 for s in shape) or vals[2 * n] < 0:
+        raise ProtocolError("view reference has a negative size or offset")
+    return ViewRef(base, shape, vals[n : 2 * n], vals[2 * n])
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -135,6 +170,8 @@ def default(obj: Any) -> Any:
         return msgpack.ExtType(EXT_DEVICE, obj.name.encode())
     if t is Ref:
         return ref_ext(obj.id)
+    if t is ViewRef:
+        return view_ext(obj.base, obj.shape, obj.stride, obj.offset)
     if t is complex:
         return msgpack.ExtType(EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
     if t is torch.layout:
@@ -228,6 +265,8 @@ def default_ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_HOST:
         dtype, shape, raw = decode_host(data)
         return HostData(dtype, tuple(shape), bytes(raw))
+    if code == EXT_VIEW:
+        return decode_view(data)
     return decode_simple_ext(code, data)
 
 
@@ -311,15 +350,8 @@ def unpack_one(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS, ext_ho
 class Encoder:
     """msgpack encoder with rgpu's ext types; `extra` converts types only one end knows."""
 
-    def __init__(self, extra: Callable[[Any], Any] | None = None) -> None:
-        if extra is None:
-            hook = default
-        else:
-
-            def hook(obj: Any) -> Any:
-                r = extra(obj)
-                return default(obj) if r is NotImplemented else r
-
+    def __init__(self, hook: Callable[[Any], Any] = default) -> None:
+        """`hook` converts values msgpack does not know; end it by calling `codec.default`."""
         self._packer = msgpack.Packer(default=hook, use_bin_type=True, autoreset=True)
 
     def encode(self, value: Any) -> bytes:

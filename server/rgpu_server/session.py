@@ -8,6 +8,7 @@ sessions. Replies go back through `Session.send`, which the connection provides.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 from rgpu.protocol import (
     EXT_HOST,
     EXT_REF,
+    EXT_VIEW,
     BatchReader,
     Encoder,
     Frame,
@@ -31,6 +33,7 @@ from rgpu.protocol import (
     chunk_frame,
     decode_host,
     decode_simple_ext,
+    decode_view,
     parse_chunk,
     reply_frame,
     unpack_ref,
@@ -133,7 +136,8 @@ class Session:
         self.on_protocol_error: Callable[[str], None] | None = None
         self._encoder = Encoder()
         self._bad: Any = None  # first missing id or Poison met while decoding the current message
-        self._refs: list[int] = []  # tensor ids the current message names, in order
+        self._refs: dict[int, int] = {}  # id() of each tensor the current message names -> its id
+        self._keep: list = []  # views built for the current message (their id()s stay valid)
         self._worker = threading.Thread(target=self._run, name=f"rgpu-session-{self.hex}", daemon=True)
         self._worker.start()
 
@@ -149,6 +153,21 @@ class Session:
         self._worker.join(timeout)
 
     def _run(self) -> None:
+        profile_dir = os.environ.get("RGPU_SERVER_PROFILE")  # developer aid: cProfile per session
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            try:
+                self._serve()
+            finally:
+                profiler.disable()
+                profiler.dump_stats(os.path.join(profile_dir, f"session-{self.hex}.prof"))
+        else:
+            self._serve()
+
+    def _serve(self) -> None:
         try:
             while True:
                 frame = self.inbox.get()
@@ -193,7 +212,6 @@ class Session:
     def _ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_REF:
             tid = unpack_ref(data)
-            self._refs.append(tid)
             t = self.tensors.get(tid)
             if t is None:
                 if self._bad is None:
@@ -203,7 +221,28 @@ class Session:
                 if self._bad is None:
                     self._bad = t
                 return None
+            self._refs[id(t)] = tid
             return t
+        if code == EXT_VIEW:  # a view the client made locally: rebuild it over its base's storage
+            view = decode_view(data)
+            t = self.tensors.get(view.base)
+            if t is None:
+                if self._bad is None:
+                    self._bad = view.base
+                return None
+            if type(t) is Poison:
+                if self._bad is None:
+                    self._bad = t
+                return None
+            try:
+                v = t.as_strided(view.shape, view.stride, view.offset)
+            except RuntimeError as e:
+                if self._bad is None:
+                    self._bad = Poison("view", f"invalid view of tensor {view.base}: {e}")
+                return None
+            self._refs[id(v)] = view.base  # writes through the view land in the base
+            self._keep.append(v)
+            return v
         if code == EXT_HOST:
             dtype, shape, raw = decode_host(data)
             if len(raw) == 0:
@@ -225,7 +264,8 @@ class Session:
 
     def _run_batch(self, frame: bytes) -> None:
         self._bad = None
-        self._refs = []
+        self._refs = {}
+        self._keep = []
         reader = BatchReader(frame, self.limits, self._ext_hook)
         seq = reader.first_seq
         if seq > self.last_seq + 1:
@@ -238,7 +278,9 @@ class Session:
                 self._receive_chunks(seq, msg[2])  # a replayed upload: drain its chunks, apply nothing
             seq += 1
             self._bad = None
-            self._refs = []
+            if self._refs:
+                self._refs = {}
+                self._keep = []
 
     def _execute(self, seq: int, msg: list) -> None:
         kind = msg[0]
@@ -303,7 +345,7 @@ class Session:
             for t in v if isinstance(v, (list, tuple)) else (v,):
                 if isinstance(t, torch.Tensor):
                     targets.add(id(t))
-        return [i for i in self._refs if id(self.tensors.get(i)) in targets]
+        return [tid for obj_id, tid in self._refs.items() if obj_id in targets]
 
     def _poison_from_bad(self, label: str, outs) -> None:
         bad = self._bad
@@ -496,8 +538,8 @@ class Session:
                 host = self._receive_chunks(seq, data)
             except UploadAborted:
                 poison = Poison("upload", "the upload was interrupted on the client; this tensor holds no data")
-                if self._refs and isinstance(dst, torch.Tensor):
-                    self.tensors[self._refs[0]] = poison
+                if isinstance(dst, torch.Tensor) and id(dst) in self._refs:
+                    self.tensors[self._refs[id(dst)]] = poison
                 return
         elif isinstance(data, torch.Tensor):
             host = data
