@@ -57,3 +57,33 @@ def test_the_queue_goes_out_when_the_client_goes_quiet(dev, session):
     assert rgpu.stats()["frames"] == frames + 1  # sent without any wait
     assert session._pending == []
     del x
+
+
+def test_view_ops_cost_no_message(dev, counted):
+    x = torch.arange(24.0, device=dev).reshape(4, 6)  # arange (reshape of a fresh tensor is a view)
+    before = rgpu.stats()["messages"]
+    views = [x.t(), x.view(2, 12), x[1], x[:, 2:4], x.detach(), x.expand(2, 4, 6), x.unsqueeze(0), x.permute(1, 0)]
+    views += list(x.unbind(0)) + list(x.split(2, dim=1))
+    assert rgpu.stats()["messages"] == before
+    # ... and they behave as real views: reads, writes through them, and views of views
+    x.t()[0].mul_(10)
+    x.view(2, 12)[1, ::2].add_(0.5)
+    c = torch.arange(24.0).reshape(4, 6)
+    c.t()[0].mul_(10)
+    c.view(2, 12)[1, ::2].add_(0.5)
+    assert torch.equal(x.cpu(), c)
+    for v, vc in zip(views[:4], [c.t(), c.view(2, 12), c[1], c[:, 2:4]]):
+        assert torch.equal(v.cpu(), vc)
+
+
+def test_a_view_keeps_its_base_alive_on_the_server(dev, session):
+    x = torch.arange(6.0, device=dev)
+    v = x[2:]
+    del x
+    import gc
+
+    gc.collect()
+    torch.rgpu.synchronize()
+    assert torch.equal(v.cpu(), torch.arange(2.0, 6.0))
+    v.t_() if v.dim() == 2 else v.unsqueeze_(0)  # metadata change on a lazy view: it gets its own entry
+    assert v.shape == (1, 4) and torch.equal(v.cpu(), torch.arange(2.0, 6.0).unsqueeze(0))
