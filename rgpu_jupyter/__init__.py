@@ -41,6 +41,7 @@ def load_ipython_extension(ip: Any) -> None:
     if magics not in ip.configurables:
         ip.configurables.append(magics)
     magics.accounting.register(ip)
+    magics.accounting.begin_now()  # the cell running %load_ext counts from here
     setattr(ip, _ATTR, magics)
 
 

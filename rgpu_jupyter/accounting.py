@@ -94,15 +94,33 @@ def _rgpu_snapshot() -> Snapshot:
     return Snapshot(rgpu.current_session(), rgpu.stats())
 
 
+def send_leftovers() -> None:
+    """Send what earlier cells left queued (ops, and frees of their garbage) before a cell starts.
+
+    Not a wait. Without it those messages would go out with the next cell's first batch and be
+    counted as that cell's cost, by luck of timing.
+    """
+    session = rgpu.current_session()
+    if session is not None and session.state == "connected":
+        session.flush()
+
+
 class CellAccounting:
     """Records every cell's cost from IPython's run-cell events; keeps the most recent ones.
 
     `snapshot` is where the counters come from (`rgpu.stats()` of the current session by default;
-    tests pass a fake). Safe to read from another thread (the widget's timer) while cells run.
+    tests pass a fake); `settle` runs before a cell's first snapshot (by default it sends what
+    earlier cells left queued). Safe to read from another thread (the widget's timer).
     """
 
-    def __init__(self, snapshot: Callable[[], Snapshot] = _rgpu_snapshot, keep: int = 20) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot] = _rgpu_snapshot,
+        keep: int = 20,
+        settle: Callable[[], None] | None = send_leftovers,
+    ) -> None:
         self.snapshot = snapshot
+        self.settle = settle
         self.keep = keep
         self.history: OrderedDict[str, CellCost] = OrderedDict()
         self.version = 0  # bumped whenever history changes, so watchers can skip re-rendering
@@ -138,14 +156,33 @@ class CellAccounting:
             except ValueError:
                 pass
 
+    def begin_now(self) -> None:
+        """Count from now as part of whichever cell ends next.
+
+        The extension is usually loaded by `%load_ext` in a cell that then goes on to connect
+        and compute; that cell's pre_run_cell fired before the hooks existed. Loaded at start-up
+        (before any cell), the next cell's pre_run_cell replaces this provisional record.
+        """
+        try:
+            self._counter += 1
+            self._running = (None, "", "", self._counter, self.snapshot(), time.perf_counter())
+        except Exception:
+            self.errors += 1
+            log.debug("rgpu_jupyter: begin_now failed", exc_info=True)
+
     def pre_run_cell(self, info: Any = None) -> None:
         try:
-            if self._running is not None:
+            running = self._running
+            if running is not None and running[0] is not None:
                 return  # a nested run_cell (%%capture, %run -i ...) belongs to the outer cell
+            if running is not None:  # provisional, from a load before any cell
+                self._counter -= 1
             self._counter += 1
             cell_id = getattr(info, "cell_id", None)
             key = str(cell_id) if cell_id else f"#{self._counter}"
             label = cell_label(getattr(info, "raw_cell", "") or "")
+            if self.settle is not None:
+                self.settle()
             start = self.snapshot()
             self._running = (info, key, label, self._counter, start, time.perf_counter())
         except Exception:  # a hook must never disturb the user's cell
@@ -155,13 +192,19 @@ class CellAccounting:
     def post_run_cell(self, result: Any = None) -> None:
         try:
             running = self._running
+            info = getattr(result, "info", None)
             # IPython fires post_run_cell without pre_run_cell for an empty cell, nested or not:
-            # finish only the cell we started (result is None when run_cell itself failed)
-            if running is None or (
-                result is not None and getattr(result, "info", None) is not running[0]
-            ):
+            # finish only the cell we started (result is None when run_cell itself failed; the
+            # started info is None when the extension was loaded inside the cell now ending)
+            if running is None:
+                return
+            if result is not None and running[0] is not None and info is not running[0]:
                 return
             cost = self._finish(getattr(result, "success", True))
+            if running[0] is None and info is not None:
+                cell_id = getattr(info, "cell_id", None)
+                cost.key = str(cell_id) if cell_id else f"#{cost.number}"
+                cost.label = cell_label(getattr(info, "raw_cell", "") or "")
             if cost.touched_rgpu:
                 with self._lock:
                     self.history.pop(cost.key, None)

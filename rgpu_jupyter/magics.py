@@ -19,7 +19,7 @@ from traitlets.config import Configurable
 
 import rgpu
 
-from .accounting import CellAccounting, make_cost
+from .accounting import CellAccounting, make_cost, send_leftovers
 from .report import CellStats, cell_line, format_bytes, format_seconds, plural
 
 
@@ -127,6 +127,13 @@ class RgpuMagics(Magics, Configurable):
     # -- actions -----------------------------------------------------------------------------
 
     def _do_connect(self, args: Any) -> None:
+        target = args.target
+        if target and target != "local" and "://" in target:
+            scheme = target.split("://", 1)[0].lower()
+            if scheme not in ("ws", "wss"):  # refuse before rgpu.connect ends the current session
+                raise UsageError(
+                    f"rgpu: servers are reached over ws:// or wss://, not {scheme}:// ({target})"
+                )
         try:
             session = rgpu.connect(args.target, token=args.token)
             rtt = session.ping()
@@ -230,6 +237,10 @@ class RgpuMagics(Magics, Configurable):
         body = shell.compile(tree, filename, "exec")
         tail = shell.compile(last, filename, "eval") if last is not None else None
         ns = shell.user_ns
+        try:
+            send_leftovers()  # what earlier cells left queued is not this cell's cost
+        except rgpu.RgpuError:
+            pass
         start = self.accounting.snapshot()
         try:
             exec(body, ns)

@@ -5,6 +5,13 @@ The `%%rgpu` line has one fixed format, because notebooks check it as output:
     rgpu: 104 messages, 1 wait, 3.3 KiB out, 12 B in
 
 Counts are exact; bytes use binary units with one decimal. Times never appear in that line.
+
+Which of these numbers repeat from run to run: waits always. Messages repeat except for FREE
+messages (tensors the cell dropped are freed on the server by FREE messages, one per outgoing
+batch with ids to carry, and batches also leave whenever the client has been quiet for 2 ms), so
+a cell that drops tensors while it runs may count one or two more messages on a busy machine;
+notebooks/sanitize.cfg masks message counts until the core sends frees deterministically. Bytes
+include frame headers, whose number follows the same timing.
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ class CellStats:
             return "rgpu: no cell has used the remote device yet"
         table = [_COLUMNS, *(_row(r) for r in self.rows)]
         widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
+        # bytes and times get fixed widths: they vary run to run, and the layout must not
+        widths[3:7] = [max(w, 10) for w in widths[3:7]]
         lines = []
         for row in table:
             cells = [row[0].ljust(widths[0])]

@@ -330,3 +330,29 @@ def test_settings_are_traitlets_set_with_config(ip):
         ip.run_line_magic("config", "RgpuMagics.stats_interval = 0.2")
         ip.run_line_magic("config", "RgpuMagics.history = 20")
     assert rgpu.settings.progress_bytes == before
+
+
+def test_the_cell_that_loads_the_extension_is_counted_from_the_load(ip, server):
+    ip.run_line_magic("unload_ext", "rgpu_jupyter")
+    cell = f"%load_ext rgpu_jupyter\n%rgpu connect {server.url}\ntorch.ones(2, device='rgpu').sum().item()"
+    assert ip.run_cell(cell, cell_id="loader").success
+    row = magics(ip).accounting.history["loader"]
+    assert row.waits == 1 and row.label == "%load_ext rgpu_jupyter"
+    assert magics(ip).accounting._running is None
+
+
+def test_what_earlier_cells_left_queued_is_not_the_next_cells_cost(connected):
+    acc = magics(connected).accounting
+    acc.clear()
+    connected.run_cell("t = torch.ones(3, device='rgpu') * 2", cell_id="makes-garbage")  # ones is freed
+    connected.run_cell("t.sum().item()", cell_id="reads")
+    assert acc.history["makes-garbage"].messages == 2  # ones, mul
+    assert acc.history["reads"].messages == 2  # sum, download; not the FREE of the first cell's ones
+    assert acc.history["reads"].waits == 1
+
+
+def test_a_bad_url_scheme_is_refused_without_ending_the_session(connected, server):
+    before = rgpu.current_session()
+    with pytest.raises(UsageError, match="ws:// or wss://"):
+        connected.run_line_magic("rgpu", "connect http://127.0.0.1:1")
+    assert rgpu.current_session() is before and before.state == "connected"

@@ -67,7 +67,7 @@ VIEW = {"url": "ws://127.0.0.1:4321", "state": "connected", "device": "cpu (CPU)
 
 
 def make(stats: FakeStats, view=VIEW, **kw) -> tuple[CellAccounting, RgpuWidget]:
-    acc = CellAccounting(stats.snapshot)
+    acc = CellAccounting(stats.snapshot, settle=None)
     kw.setdefault("autostart", False)
     return acc, RgpuWidget(acc, session=lambda: dict(view), **kw)
 
