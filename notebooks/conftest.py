@@ -27,6 +27,10 @@ def pytest_configure(config: pytest.Config) -> None:
     opt.nbval_current_env = True
     if not opt.nbval_sanitize_with:
         opt.nbval_sanitize_with = str(HERE / "sanitize.cfg")
+    if opt.nbval:
+        # stderr is compared too: on a fresh machine matplotlib's first import would print
+        # "Matplotlib is building the font cache" into the plotting cell, so build it here
+        import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.hookimpl(tryfirst=True)

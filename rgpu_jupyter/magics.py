@@ -62,6 +62,13 @@ class RgpuMagics(Magics, Configurable):
         if hasattr(self, "accounting"):
             self.accounting.keep = change["new"]
 
+    @observe("stats_interval", "widget_rows")
+    def _widget_settings_changed(self, change: dict) -> None:
+        w = getattr(self, "_widget", None)
+        if w is not None:  # the running widget follows the new setting at its next refresh
+            w.interval = self.stats_interval
+            w.rows = self.widget_rows
+
     # -- the magic ---------------------------------------------------------------------------
 
     @magic_arguments()

@@ -80,7 +80,13 @@ def test_connect_shows_the_widget_in_a_kernel_unless_turned_off(ip, server, monk
         ip.run_line_magic("rgpu", f"connect {server.url}")
     assert len(shown.outputs) == 1
     assert shown.outputs[0].data["text/plain"] == f"RgpuWidget(server={server.url})"
-    assert "application/vnd.jupyter.widget-view+json" in shown.outputs[0].data
+    view = shown.outputs[0].data["application/vnd.jupyter.widget-view+json"]
+    with capture_output() as again:
+        ip.run_line_magic("rgpu", "widget")  # the same widget, shown once more
+    assert again.outputs[0].data["application/vnd.jupyter.widget-view+json"] == view
+    ip.run_line_magic("config", "RgpuMagics.stats_interval = 0.5")
+    assert m._widget.interval == 0.5 and m._widget.running
+    ip.run_line_magic("config", "RgpuMagics.stats_interval = 0.2")
     ip.run_line_magic("config", "RgpuMagics.widget = False")
     try:
         with capture_output() as shown:
