@@ -178,6 +178,8 @@ class RgpuMagics(Magics, Configurable):
                 rtt = session.ping()
             except rgpu.ConnectionLost as e:
                 lines.append(("held", f"unknown: {e}"))
+            except rgpu.RemoteError as e:  # the server reports a pending failure to any wait
+                lines.append(("error", f"{e} (reported here; later waits will not raise it)"))
             else:
                 held = f"{plural(info['tensors'], 'tensor')}, {format_bytes(info['bytes'])}"
                 lines.append(("held", held + " on the server"))

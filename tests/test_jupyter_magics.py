@@ -362,3 +362,13 @@ def test_a_bad_url_scheme_is_refused_without_ending_the_session(connected, serve
     with pytest.raises(UsageError, match="ws:// or wss://"):
         connected.run_line_magic("rgpu", "connect http://127.0.0.1:1")
     assert rgpu.current_session() is before and before.state == "connected"
+
+
+def test_status_shows_a_pending_server_error_instead_of_raising_it(connected, capsys):
+    src = torch.arange(5.0, device="rgpu")
+    torch.gather(src, 0, torch.tensor([0, 7], device="rgpu"))
+    connected.run_line_magic("rgpu", "status")
+    out = capsys.readouterr().out
+    assert re.search(r"^state +connected$", out, re.M)
+    assert re.search(r"^error +aten::gather\.default failed on the rgpu server: .*index 7", out, re.M), out
+    torch.rgpu.synchronize()  # reported once
