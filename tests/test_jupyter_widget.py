@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import comm
+import ipywidgets
 import pytest
 import torch
 
@@ -43,6 +44,10 @@ class RecordingComm:
 @pytest.fixture(autouse=True)
 def recording_comms(monkeypatch):
     monkeypatch.setattr(comm, "create_comm", lambda **kw: RecordingComm(**kw))
+    yield
+    # close what the test left open now: a widget's __del__ at interpreter exit trips over
+    # ipywidgets' half-torn-down module state and prints a traceback
+    ipywidgets.Widget.close_all()
 
 
 class FakeStats:
