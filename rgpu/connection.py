@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import inspect
 import os
+import ssl
 import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
 from ._version import __version__
-from .errors import ConnectError
+from .errors import AuthError, ConnectError, SessionLost
 from .protocol import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
+    CloseCode,
     Frame,
     ProtocolError,
     hello_frame,
@@ -39,7 +42,24 @@ class _WideReadConnection(ClientConnection):
 _CONNECT_PARAMS = set(inspect.signature(connect).parameters)
 
 
-def _connect_kwargs(token: str | None, open_timeout: float) -> dict[str, Any]:
+def split_token(url: str) -> tuple[str, str | None]:
+    """Take `?token=...` out of a URL: the token travels in a header, never in the request line."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    token = next((v for k, v in query if k == "token"), None)
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "token"])
+    path = "" if parts.path in ("", "/") and not rest else parts.path
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, rest, "")), token
+
+
+def _ssl_context(url: str) -> ssl.SSLContext | None:
+    """Verify the server's certificate by default; RGPU_CA_BUNDLE adds a private CA."""
+    if not url.lower().startswith("wss://"):
+        return None
+    return ssl.create_default_context(cafile=os.environ.get("RGPU_CA_BUNDLE") or None)
+
+
+def _connect_kwargs(url: str, token: str | None, open_timeout: float) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "compression": None,  # tensor bytes do not compress; deflate made uploads 10x slower
         "max_size": DEFAULT_LIMITS.max_message,
@@ -58,6 +78,9 @@ def _connect_kwargs(token: str | None, open_timeout: float) -> dict[str, Any]:
         kwargs["proxy"] = os.environ.get("RGPU_PROXY") or None
     if token:
         kwargs["additional_headers"] = {"Authorization": f"Bearer {token}"}
+    ctx = _ssl_context(url)
+    if ctx is not None:
+        kwargs["ssl"] = ctx
     return kwargs
 
 
@@ -73,21 +96,29 @@ class Connection:
         on_close: Callable[[BaseException], None],
         open_timeout: float = 10.0,
         allow_version_mismatch: bool = False,
+        resume: bytes | None = None,
     ) -> None:
         self.url = url
         try:
-            self.ws = connect(url, **_connect_kwargs(token, open_timeout))
+            self.ws = connect(url, **_connect_kwargs(url, token, open_timeout))
         except InvalidURI as e:
             raise ConnectError(f"{url!r} is not a websocket URL (expected ws://host:port or wss://host:port): {e}") from None
         except InvalidStatus as e:
             status = e.response.status_code
             if status in (401, 403):
-                raise ConnectError(
-                    f"the rgpu server at {url} rejected the token (HTTP {status}). Pass the server's "
-                    "token with rgpu.connect(url, token=...) or RGPU_TOKEN."
+                raise AuthError(
+                    f"the rgpu server at {url} rejected the token (HTTP {status}): "
+                    + ("none was sent. " if not token else "it is not the server's. ")
+                    + "rgpu-server prints its token at start-up; pass it with rgpu.connect(url, "
+                    "token=...), the RGPU_TOKEN environment variable, or ?token=... in the URL."
                 ) from None
             raise ConnectError(f"{url} answered HTTP {status}; is that an rgpu server?") from None
-        except (OSError, InvalidHandshake, TimeoutError) as e:
+        except ssl.SSLCertVerificationError as e:
+            raise ConnectError(
+                f"the TLS certificate of {url} could not be verified ({e.verify_message}). For a "
+                "server with a private CA, set RGPU_CA_BUNDLE to the CA's certificate file."
+            ) from None
+        except (OSError, InvalidHandshake, TimeoutError, WebSocketException) as e:
             raise ConnectError(
                 f"cannot reach an rgpu server at {url}: {e}. Start one with `rgpu-server` on the GPU "
                 "host (and an SSH tunnel if it is remote), or use rgpu.connect('local')."
@@ -99,6 +130,7 @@ class Connection:
                         "protocol": PROTOCOL_VERSION,
                         "torch": torch.__version__,
                         "client": f"rgpu {__version__}",
+                        "session": resume,
                     }
                 )
             )
@@ -112,6 +144,13 @@ class Connection:
         if "refused" in welcome:
             self.ws.close()
             raise ConnectError(f"the rgpu server at {url} refused this client: {welcome['message']}")
+        if resume is not None and not welcome.get("resumed"):
+            self.ws.close(CloseCode.BYE)
+            raise SessionLost(
+                f"the rgpu server at {url} no longer has this session (it restarted, or the session "
+                "expired while the connection was down): every rgpu tensor of the session is gone. "
+                "Call rgpu.connect() to start a new session."
+            )
         problem = version_mismatch(torch.__version__, str(welcome.get("torch", "?")))
         if problem and not allow_version_mismatch:
             self.ws.close()
@@ -150,10 +189,11 @@ class Connection:
         """Send one frame (a bytes, or a list of buffers sent as one fragmented message)."""
         self.ws.send(data)
 
-    def close(self) -> None:
+    def close(self, code: int = CloseCode.BYE) -> None:
+        """Close; the default code tells the server the session is over (nothing to resume)."""
         self.closed = True
         try:
-            self.ws.close()
+            self.ws.close(code)
         except Exception:
             pass
         if threading.current_thread() is not self._reader:

@@ -53,7 +53,7 @@ def connect(url: str | None = None, *, token: str | None = None, timeout: float 
         if target == "local":
             server = EmbeddedServer(device=os.environ.get("RGPU_LOCAL_DEVICE", "auto"))
             try:
-                session = Session(server.url, token=token, open_timeout=timeout, local_process=server)
+                session = Session(server.url, token=server.token, open_timeout=timeout, local_process=server)
             except BaseException:
                 server.stop()
                 raise

@@ -24,6 +24,10 @@ class ConnectError(RgpuError, ConnectionError):
     """The server could not be reached, or refused the handshake."""
 
 
+class AuthError(ConnectError):
+    """The server rejected the token (or none was given)."""
+
+
 class ConnectionLost(RgpuError, ConnectionError):
     """The link to the server dropped; queued work and waits on it did not complete."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -26,13 +27,18 @@ class EmbeddedServer:
     def __init__(self, device: str = "auto") -> None:
         fd, self.log_path = tempfile.mkstemp(prefix="rgpu-server-", suffix=".log")
         self._log = os.fdopen(fd, "wb")
+        # a fresh token, handed over on stdin: it never shows in a process list or the environment
+        self.token = secrets.token_urlsafe(32)
         cmd = [
             sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", "0",
-            "--device", device, "--announce", "--exit-with-stdin",
+            "--device", device, "--announce", "--token-stdin", "--exit-with-stdin",
         ]  # fmt: skip
         self.process = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, close_fds=True
         )
+        assert self.process.stdin is not None
+        self.process.stdin.write(self.token.encode() + b"\n")
+        self.process.stdin.flush()
         self.url = self._read_url()
 
     def _read_url(self) -> str:

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from .connection import Connection
-from .errors import ConnectionLost, ProtocolViolation, RemoteError, RgpuError
+from .connection import Connection, split_token
+from .errors import AuthError, ConnectError, ConnectionLost, ProtocolViolation, RemoteError, RgpuError, SessionLost
 from .progress import TransferProgress
-from .writer import FrameWriter
 from .protocol import (
     DEFAULT_LIMITS,
+    CloseCode,
     EncodeError,
     Encoder,
     Frame,
@@ -32,12 +32,15 @@ from .protocol import (
     Status,
     batch_frame,
     byte_view,
-    default,
     chunk_frame,
+    default,
     host_ext,
+    parse_ack,
     parse_chunk,
     parse_reply,
 )
+from .replay import ChunkedUpload, ReplayBuffer
+from .writer import FrameWriter
 from .tensor import RemoteTensor
 
 log = logging.getLogger("rgpu")
@@ -93,7 +96,7 @@ class Waiter:
 
 
 class Session:
-    """One client session: everything sent to and answered by one server connection."""
+    """One client session with one server: it survives dropped connections by resuming."""
 
     def __init__(
         self,
@@ -103,11 +106,16 @@ class Session:
         open_timeout: float = 10.0,
         local_process: Any = None,
     ) -> None:
+        url, url_token = split_token(url)
+        self.url = url
+        self._token = token or url_token
+        self._open_timeout = open_timeout
         self.lock = threading.RLock()
         self.frees: collections.deque[int] = collections.deque()
         self.flush_ops = _env_int("RGPU_FLUSH_OPS", 128)
         self.flush_bytes = _env_int("RGPU_FLUSH_BYTES", 1 << 20)
         self.quiet_s = _env_int("RGPU_QUIET_US", 2000) / 1e6
+        self.reconnect_s = float(os.environ.get("RGPU_RECONNECT_SECONDS", 60))
         self.check_meta = os.environ.get("RGPU_CHECK_META", "") not in ("", "0")
         # counters (see rgpu.stats)
         self.messages = 0
@@ -116,44 +124,72 @@ class Session:
         self.bytes_in = 0
         self.frames = 0
         self.wait_seconds = 0.0
+        self.reconnects = 0
         # The queue: messages _first_seq, _first_seq + 1, ... not yet handed to the writer. A
         # message's sequence number is its position, never a separate counter, so an interrupt
         # between two statements cannot make numbers and messages disagree.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._first_seq = 1
+        self._replay = ReplayBuffer(_env_int("RGPU_REPLAY_BYTES", 256 << 20))
         self._waiters: dict[int, Waiter] = {}
         self._abandoned: dict[int, Waiter] = {}
+        # waited messages without a reply yet: sent again after a reconnect even if the server
+        # applied them, so it resends a reply the dropped connection swallowed
+        self._unanswered: dict[int, bytes] = {}
         self._broken: BaseException | None = None
+        self._reconnecting = False
         self.closed = False
         self.local_process = local_process
         self._encode = Encoder(_encode_hook).encode
         self._quiet_kick = threading.Event()
-        self.conn = Connection(
-            url,
-            token=token,
-            on_frame=self._on_frame,
-            on_close=self._on_close,
-            open_timeout=open_timeout,
-            allow_version_mismatch=os.environ.get("RGPU_ALLOW_VERSION_MISMATCH", "") not in ("", "0"),
-        )
+        self._allow_mismatch = os.environ.get("RGPU_ALLOW_VERSION_MISMATCH", "") not in ("", "0")
+        self.conn = self._open(None)
         welcome = self.conn.welcome
-        self.url = url
-        self.session_id: str = bytes(welcome.get("session", b"")).hex()
+        self._session_bytes: bytes = bytes(welcome.get("session", b""))
+        self.session_id: str = self._session_bytes.hex()
         self.server_torch: str = str(welcome.get("torch", "?"))
         self.server_version: str = str(welcome.get("server", "?"))
         self.device: str = str(welcome.get("device", "?"))
         self.device_name: str = str(welcome.get("device_name", "?"))
         self.max_chunk = min(int(welcome.get("max_chunk", UPLOAD_CHUNK)), UPLOAD_CHUNK)
         self.max_message = int(welcome.get("max_message", DEFAULT_LIMITS.max_message))
-        self._writer = FrameWriter(self.conn.send, self._mark_broken)
+        self._writer = self._new_writer(self.conn)
         self._quiet = threading.Thread(target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True)
         self._quiet.start()
+
+    def _open(self, resume: bytes | None) -> Connection:
+        mine: list[Connection] = []
+
+        def on_close(exc: BaseException) -> None:  # only the current connection's loss matters
+            if mine and mine[0] is self.conn:
+                self._connection_lost(exc)
+
+        conn = Connection(
+            self.url,
+            token=self._token,
+            on_frame=self._on_frame,
+            on_close=on_close,
+            open_timeout=self._open_timeout,
+            allow_version_mismatch=self._allow_mismatch,
+            resume=resume,
+        )
+        mine.append(conn)
+        return conn
+
+    def _new_writer(self, conn: Connection) -> FrameWriter:
+        def failed(exc: BaseException) -> None:
+            if self.conn is conn:
+                self._connection_lost(exc)
+
+        return FrameWriter(conn.send, failed)
 
     # -- the queue ---------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
         if self._broken is not None:
+            if isinstance(self._broken, RgpuError):
+                raise self._broken
             raise ConnectionLost(
                 f"the connection to the rgpu server at {self.url} is lost ({self._broken}); "
                 "its tensors are unreachable. Call rgpu.connect() to start a new session."
@@ -216,22 +252,37 @@ class Session:
                 pass
             self._append_locked((Kind.FREE, ids))
 
-    def _flush_locked(self) -> None:
-        self._drain_frees_locked()
-        if not self._pending:
-            return
+    def _flush_locked(self, upload: ChunkedUpload | None = None) -> None:
+        """Send the queue. With `upload`, the queue ends with that UPLOAD message and its chunks
+        follow the batch, so nothing may be appended after it (frees were drained before it)."""
+        if upload is None:
+            self._drain_frees_locked()
         pending = self._pending
-        frame = batch_frame(self._first_seq, pending)
-        self._send(frame)
+        if not pending:
+            return
+        first = self._first_seq
+        # kept for replay first, then sent: a connection can drop at any moment after this
+        self._replay.add(first, pending, upload)
+        self._send(batch_frame(first, pending))
         # only now forget the messages: if an interrupt lands before this line, they go out again
         # with the same numbers, and the server drops what it already applied
-        self._first_seq += len(pending)
+        self._first_seq = first + len(pending)
         self._pending = []
         self._pending_bytes = 0
+        if self._replay.over_limit():
+            self._wait_for_acks()
+
+    def _wait_for_acks(self) -> None:
+        """Flow control: the server is far behind; let it catch up before queueing more."""
+        while not self._replay.wait_below_limit(0.1):
+            self._check_usable()
 
     def _send(self, frame: bytes | list, tag: object = None) -> int:
-        """Hand a frame to the writer thread; returns its ticket."""
+        """Hand a frame to the writer thread; returns its ticket (0 while reconnecting: the
+        replay after the reconnect sends it)."""
         self._check_usable()
+        if self._reconnecting:
+            return 0
         nbytes = len(frame) if type(frame) is bytes else sum(len(b) for b in frame)
         ticket = self._writer.queue(frame, nbytes, tag)
         self.frames += 1
@@ -285,6 +336,7 @@ class Session:
             self._drain_frees_locked()  # so a waited INFO sees memory the client already let go
             seq = self._append_locked(msg)
             self._waiters[seq] = waiter
+            self._unanswered[seq] = self._pending[-1]
             self._flush_locked()
         self.waits += 1
         t0 = time.perf_counter()
@@ -328,6 +380,8 @@ class Session:
             if status is Status.PROTOCOL and seq == 0:
                 self._mark_broken(ProtocolViolation(f"the server reported a protocol error: {value}"))
                 return
+            self._replay.ack(seq)  # the server runs messages in order: all before seq are applied
+            self._unanswered.pop(seq, None)
             waiter = self._waiters.pop(seq, None)
             if waiter is not None:
                 waiter.finish(status, value)
@@ -342,12 +396,102 @@ class Session:
             if waiter is not None and waiter.sink is not None:
                 waiter.sink(offset, payload)
                 waiter.received += len(payload)
+        elif kind == Frame.ACK:
+            self._replay.ack(parse_ack(frame))
         else:
             raise ProtocolError(f"unexpected frame kind {kind} from the server")
 
-    def _on_close(self, exc: BaseException) -> None:
-        if not self.closed:
-            self._mark_broken(exc)
+    # -- a dropped connection ----------------------------------------------------------------
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        if self.closed or self._broken is not None:
+            return
+        code = getattr(getattr(exc, "rcvd", None), "code", None)
+        if code == CloseCode.GOING_AWAY:
+            self._mark_broken(ConnectionLost(
+                f"the rgpu server at {self.url} shut down; this session and its tensors are gone. "
+                "Call rgpu.connect() once a server runs again."))  # fmt: skip
+            return
+        if code == CloseCode.PROTOCOL_ERROR:
+            self._mark_broken(ProtocolViolation(f"the rgpu server closed the connection: {exc}"))
+            return
+        with self.lock:
+            if self._reconnecting or self.closed:
+                return
+            self._reconnecting = True
+        log.warning("rgpu: lost the connection to %s (%s); reconnecting", self.url, exc)
+        threading.Thread(target=self._reconnect, name="rgpu-reconnect", daemon=True).start()
+
+    def _reconnect(self) -> None:
+        """Reconnect with backoff, resume the session, and replay what the server lacks."""
+        deadline = time.monotonic() + self.reconnect_s
+        delay = 0.05
+        old = self.conn
+        old.close(CloseCode.GOING_AWAY)  # not BYE: the server must keep the session for us
+        while not self.closed:
+            try:
+                conn = self._open(self._session_bytes)
+            except SessionLost as e:
+                self._mark_broken(e)
+                return
+            except Exception as e:  # unreachable, refused, dropped mid-handshake: try again
+                if isinstance(e, AuthError) or time.monotonic() > deadline:
+                    self._mark_broken(ConnectionLost(
+                        f"could not reach the rgpu server at {self.url} again within "
+                        f"{self.reconnect_s:.0f} s ({e}); this session's tensors are unreachable. "
+                        "Call rgpu.connect() to start a new session."))  # fmt: skip
+                    return
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            with self.lock:
+                if self.closed:
+                    conn.close()
+                    return
+                self._writer.close(timeout=0)
+                self.conn = conn
+                self._writer = self._new_writer(conn)
+                applied = int(conn.welcome.get("last_seq", 0))
+                self._replay.ack(applied)
+                self._reconnecting = False
+                try:
+                    for seq in sorted(self._unanswered):  # applied, but the reply may be lost
+                        if seq <= applied:
+                            self._send(batch_frame(seq, [self._unanswered[seq]]))
+                    self._replay_unacked()
+                except RgpuError:
+                    return
+                self.reconnects += 1
+            log.warning("rgpu: resumed the session on %s", self.url)
+            if conn.closed:  # it dropped again before we were watching
+                self._connection_lost(ConnectionLost("the connection dropped during the resume"))
+            return
+
+    def _replay_unacked(self) -> None:
+        """Send again, in order, every message the server did not confirm (lock held)."""
+        batch: list[bytes] = []
+        first = 0
+        for seq, data, upload in self._replay.pending():
+            if not batch:
+                first = seq
+            batch.append(data)
+            if upload is not None or len(batch) >= 1024:
+                self._send(batch_frame(first, batch))
+                batch = []
+                if upload is not None:
+                    self._send_chunks(seq, upload)
+        if batch:
+            self._send(batch_frame(first, batch))
+
+    def _send_chunks(self, seq: int, upload: ChunkedUpload, tag: object = None) -> None:
+        if not upload.unchanged():  # its source changed since: cancel rather than send other bytes
+            self._send(chunk_frame(Frame.CHUNK, seq, ABORT_OFFSET, b""))
+            return
+        data = byte_view(upload.src)
+        chunk = self.max_chunk
+        for off in range(0, upload.nbytes, chunk):
+            upload.ticket = self._send(chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]), tag)
+        upload.writer = self._writer
 
     def _mark_broken(self, exc: BaseException) -> None:
         if self._broken is None:
@@ -364,27 +508,30 @@ class Session:
         if nbytes <= INLINE_UPLOAD:
             self.post((Kind.UPLOAD, dst, src))
             return
-        data = byte_view(src)
-        chunk = self.max_chunk
         tag = object()  # marks this upload's chunks in the writer's queue
+        upload = ChunkedUpload(src, src._version, nbytes)
         progress = TransferProgress(nbytes, "rgpu upload")
         start = self._writer.bytes_written
         try:
             with self.lock:
                 self._check_usable()
+                self._drain_frees_locked()
                 seq = self._append_locked((Kind.UPLOAD, dst, [src.dtype, list(src.shape), nbytes]))
                 try:
-                    self._flush_locked()
-                    last = 0
-                    for off in range(0, nbytes, chunk):
-                        last = self._send(chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]), tag)
-                        progress.update_to(self._writer.bytes_written - start)
+                    self._flush_locked(upload)
+                    self._send_chunks(seq, upload, tag)
                 except BaseException:
                     self._cancel_upload(seq, tag)
                     raise
-            # the call returns once every byte is written: the caller may change `src` after that
+            # the call returns once every byte is written (or the server has it): the caller may
+            # change `src` after that
             try:
-                while not self._writer.wait_written(last, 0.1):
+                while not upload.done.is_set():
+                    writer = upload.writer
+                    if writer is not None and upload.ticket and writer.wait_written(upload.ticket, 0.1):
+                        break
+                    if writer is None or not upload.ticket:
+                        upload.done.wait(0.1)
                     self._check_usable()
                     progress.update_to(self._writer.bytes_written - start)
             except BaseException:
@@ -435,29 +582,33 @@ class Session:
         return self.request((Kind.INFO,))
 
     def close(self) -> None:
+        """End the session: the server frees its tensors now (no resume)."""
         if self.closed:
             return
         with self.lock:
             try:
-                if self._broken is None:
+                if self._broken is None and not self._reconnecting:
                     self._flush_locked()
             except Exception:
                 pass
             self.closed = True
         self._quiet_kick.set()
         self._writer.close()
-        self.conn.close()
-        self._mark_broken_quietly()
+        self.conn.close(CloseCode.BYE)
+        for w in list(self._waiters.values()):
+            w.event.set()
         if self.local_process is not None:
             self.local_process.stop()
 
     @property
     def state(self) -> str:
-        """"connected", "lost" (the link dropped) or "closed" (disconnected on purpose)."""
+        """"connected", "reconnecting", "lost" (gave up) or "closed" (disconnected on purpose)."""
         if self.closed:
             return "closed"
         if self._broken is not None:
             return "lost"
+        if self._reconnecting:
+            return "reconnecting"
         return "connected"
 
     def ping(self, timeout: float = 10.0) -> float:
@@ -469,10 +620,6 @@ class Session:
             raise ConnectionLost(f"the rgpu server at {self.url} did not answer a ping within {timeout} s")
         return time.perf_counter() - t0
 
-    def _mark_broken_quietly(self) -> None:
-        for w in list(self._waiters.values()):
-            w.event.set()
-
     def stats(self) -> dict:
         return {
             "messages": self.messages,
@@ -481,6 +628,7 @@ class Session:
             "bytes_in": self.bytes_in,
             "frames": self.frames,
             "wait_seconds": self.wait_seconds,
+            "reconnects": self.reconnects,
         }
 
 

@@ -91,5 +91,5 @@ class FrameWriter:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        if threading.current_thread() is not self._thread:
+        if timeout and threading.current_thread() is not self._thread:
             self._thread.join(timeout)

@@ -7,60 +7,21 @@ whole test session; tests that need their own server (CLI, shutdown, embedded) s
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import threading
+import secrets
 from pathlib import Path
 
 import pytest
 import torch
+from rgpu_test_servers import ServerProcess
 
 import rgpu
 
 ROOT = Path(__file__).resolve().parent.parent
 # predicted output metadata is checked against what the server produced for every op in tests
 os.environ.setdefault("RGPU_CHECK_META", "1")
-
-
-class ServerProcess:
-    """`python -m rgpu_server` on 127.0.0.1:0; `url` once it listens."""
-
-    def __init__(self, *extra: str, env: dict | None = None, device: str = "cpu") -> None:
-        cmd = [sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", "0", "--device", device,
-               "--announce", *extra]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={**os.environ, **(env or {})},
-            text=True,
-        )
-        self.log_lines: list[str] = []
-        line = self.proc.stdout.readline().strip()
-        self._drain = threading.Thread(target=self._read_stderr, daemon=True)
-        self._drain.start()
-        if not line.startswith("RGPU_SERVER="):
-            self.stop()
-            raise RuntimeError(f"rgpu-server did not start: {line!r}\n" + "\n".join(self.log_lines))
-        self.url = line.split("=", 1)[1]
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.log_lines.append(line.rstrip("\n"))
-
-    def log(self) -> str:
-        return "\n".join(self.log_lines)
-
-    def stop(self, timeout: float = 10) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+# one token for the test servers; clients (in-process and subprocesses) read it from here
+TOKEN = secrets.token_urlsafe(24)
+os.environ["RGPU_TOKEN"] = TOKEN
 
 
 @pytest.fixture(scope="session")

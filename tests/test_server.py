@@ -16,7 +16,9 @@ from websockets.sync.client import connect as ws_connect
 
 import rgpu
 from rgpu import protocol as p
-from conftest import ServerProcess
+from rgpu_test_servers import ServerProcess
+
+AUTH = {"Authorization": f"Bearer {os.environ['RGPU_TOKEN']}"}
 
 
 def run_client(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -121,7 +123,7 @@ def test_a_long_kernel_does_not_stall_other_sessions(server):
 
 
 def test_hostile_frames_close_only_that_connection(dev, server):
-    with ws_connect(server.url, compression=None) as raw:
+    with ws_connect(server.url, compression=None, additional_headers=AUTH) as raw:
         _hostile_exchange(raw)
     # the shared session is untouched
     assert torch.ones(3, device=dev).sum().item() == 3.0
@@ -144,7 +146,7 @@ def _hostile_exchange(raw) -> None:
     [b"GET / HTTP/1.1", b"\x20\xc1", p.hello_frame({"protocol": 999, "torch": "2.13.0"}), "text frame"],
 )
 def test_bad_handshakes_are_refused(server, first):
-    with ws_connect(server.url, compression=None) as raw:
+    with ws_connect(server.url, compression=None, additional_headers=AUTH) as raw:
         raw.send(first)
         try:
             reply = raw.recv(timeout=10)

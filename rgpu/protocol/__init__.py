@@ -38,6 +38,8 @@ from .messages import (
     PROTOCOL_VERSION,
     WAITED,
     BatchReader,
+    ack_frame,
+    parse_ack,
     CloseCode,
     Frame,
     Kind,

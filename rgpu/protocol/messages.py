@@ -8,6 +8,8 @@ A websocket message is a *frame*. Its first byte says what it is:
 * ``CHUNK`` (client to server) -- raw tensor bytes belonging to an UPLOAD message.
 * ``REPLY`` (server to client) -- the answer to one waited message.
 * ``DATA`` (server to client) -- raw tensor bytes belonging to a DOWNLOAD reply.
+* ``ACK`` (server to client) -- the sequence number of the last message applied, so the client
+  can drop what it keeps for replay after a dropped connection.
 
 A *message* is a msgpack array whose first item is its kind (`Kind`).
 """
@@ -32,6 +34,7 @@ class Frame(IntEnum):
     CHUNK = 0x02
     REPLY = 0x11
     DATA = 0x12
+    ACK = 0x13  # server to client: every message up to this sequence number has been applied
     HELLO = 0x20
     WELCOME = 0x21
     REFUSE = 0x22
@@ -70,12 +73,28 @@ class CloseCode(IntEnum):
     PROTOCOL_ERROR = 4002
     VERSION_MISMATCH = 4001
     BAD_HELLO = 4003
+    SUPERSEDED = 4004  # the session resumed on a newer connection
+    GOING_AWAY = 1001  # the server is shutting down
+    BYE = 1000  # the client ended its session on purpose
 
 
 _SEQ_OFF = struct.Struct("<QQ")
 _END = object()
 _BATCH = bytes((Frame.BATCH,))
 _REPLY = bytes((Frame.REPLY,))
+
+
+_U64 = struct.Struct("<Q")
+
+
+def ack_frame(last_seq: int) -> bytes:
+    return bytes((Frame.ACK,)) + _U64.pack(last_seq)
+
+
+def parse_ack(frame: bytes | memoryview) -> int:
+    if len(frame) != 9:
+        raise ProtocolError("ACK frame must hold one u64")
+    return _U64.unpack_from(frame, 1)[0]
 
 
 def frame_kind(frame: bytes | bytearray | memoryview) -> Frame:

@@ -4,46 +4,58 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
+import os
+import secrets
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 from rgpu.protocol import DEFAULT_LIMITS
 
 from . import __version__
-from .app import RgpuServer, ServerConfig, pick_device
+from .app import LOOPBACK, RgpuServer, ServerConfig, pick_device
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rgpu-server",
         description="Serve this host's GPU to rgpu clients over a websocket.",
+        epilog="Clients authenticate with a token: --token, RGPU_TOKEN, or a random one printed at "
+        "start-up as a ready-to-paste URL.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=9720, help="port to listen on; 0 picks a free one (default 9720)")
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level (default INFO)",
-    )
-    p.add_argument(
-        "--max-message-mb",
-        type=int,
-        default=DEFAULT_LIMITS.max_message >> 20,
-        help="largest websocket message accepted, in MiB (default %(default)s)",
-    )
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default INFO)")
+    auth = p.add_argument_group("security")
+    auth.add_argument("--token", default=None, help="the token clients must send (default: RGPU_TOKEN, else a random one)")
+    auth.add_argument("--no-token", action="store_true", help="accept clients without a token (only on a loopback address)")
+    auth.add_argument("--certfile", default=None, help="TLS certificate (PEM): serve wss:// instead of ws://")
+    auth.add_argument("--keyfile", default=None, help="TLS private key (PEM) for --certfile")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--session-grace", type=float, default=120.0, help="seconds a session waits for its client to reconnect (default 120)")
+    lim.add_argument("--max-sessions", type=int, default=64, help="sessions served at once (default 64)")
+    lim.add_argument("--session-quota-mb", type=int, default=None, help="tensor memory one session may hold, in MiB (default: no limit)")
+    lim.add_argument("--max-message-mb", type=int, default=DEFAULT_LIMITS.max_message >> 20, help="largest websocket message accepted, in MiB (default %(default)s)")
     p.add_argument("--version", action="version", version=f"rgpu-server {__version__}")
-    # for the embedded server a client starts: print the URL on stdout, exit when stdin closes
+    # for the embedded server a client starts: read the token from stdin, print the URL on stdout,
+    # exit when stdin closes
     p.add_argument("--announce", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--token-stdin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,13 +67,48 @@ def main(argv: list[str] | None = None) -> int:
     )
     # websockets logs every connection at INFO; our own session lines say it better
     logging.getLogger("websockets").setLevel(logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
+    log = logging.getLogger("rgpu_server")
+    if bool(args.certfile) != bool(args.keyfile):
+        print("rgpu-server: --certfile and --keyfile go together", file=sys.stderr)
+        return 2
+    if args.no_token:
+        if not _is_loopback(args.host):
+            print(
+                f"rgpu-server: refusing to listen on {args.host} without a token: anyone who can reach "
+                "the port could run code on the GPU and read its memory. Drop --no-token, or listen on "
+                "127.0.0.1 and reach it through an SSH tunnel.",
+                file=sys.stderr,
+            )
+            return 2
+        token = None
+    elif args.token_stdin:
+        token = sys.stdin.readline().strip() or None
+    else:
+        token = args.token or os.environ.get("RGPU_TOKEN") or None
+    generated = token is None and not args.no_token
+    if generated:
+        token = secrets.token_urlsafe(32)
     device = pick_device(args.device)
-    from dataclasses import replace
-
     limits = replace(DEFAULT_LIMITS, max_message=max(args.max_message_mb, 1) << 20)
-    server = RgpuServer(ServerConfig(host=args.host, port=args.port, device=device, limits=limits))
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        device=device,
+        limits=limits,
+        token=token,
+        certfile=args.certfile,
+        keyfile=args.keyfile,
+        grace=args.session_grace,
+        max_sessions=args.max_sessions,
+        quota=None if args.session_quota_mb is None else args.session_quota_mb << 20,
+    )
+    server = RgpuServer(config)
 
     def on_ready(srv: RgpuServer) -> None:
+        if generated:
+            log.info("clients connect with:  rgpu.connect(\"%s/?token=%s\")", srv.url, token)
+        elif token is None:
+            log.warning("no token: any process that can reach %s can use this GPU", srv.url)
         if args.announce:
             print(f"RGPU_SERVER={srv.url}", flush=True)
 

@@ -1,16 +1,21 @@
-"""The websocket server: handshake, one `Session` per connection, frames in and out.
+"""The websocket server: authentication, handshake, sessions that survive dropped connections.
 
 All of this runs on one asyncio loop and only moves bytes; decoding and execution happen on each
-session's worker thread.
+session's worker thread. A session outlives its connection for a grace period, so a client whose
+link drops reconnects, resumes the session by id and replays what the server had not applied.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import http
 import logging
 import os
 import platform
 import secrets
+import ssl
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +42,7 @@ log = logging.getLogger("rgpu_server")
 
 HELLO_TIMEOUT = 10.0
 MAX_BACKLOG = 256 << 20  # bytes received but not yet executed, per session, before reading pauses
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def device_name(device: torch.device) -> str:
@@ -78,10 +84,16 @@ class ServerConfig:
     port: int = 9720
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     limits: Limits = DEFAULT_LIMITS
+    token: str | None = None  # None: no authentication (loopback only)
+    certfile: str | None = None
+    keyfile: str | None = None
+    grace: float = 120.0  # seconds a session waits for its client to reconnect
+    max_sessions: int = 64
+    quota: int | None = None  # bytes of tensor storage one session may hold
 
 
 class RgpuServer:
-    """Accepts websocket connections and gives each its own `Session`."""
+    """Accepts websocket connections; gives each client a `Session` that can be resumed."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -89,27 +101,62 @@ class RgpuServer:
         self.port: int | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._connections: set[ServerConnection] = set()
+        self._closing = False
+        self._expired: list[Session] = []  # stopped sessions whose worker threads are ending
+
+    @property
+    def scheme(self) -> str:
+        return "wss" if self.config.certfile else "ws"
 
     @property
     def url(self) -> str:
         host = self.config.host
         if ":" in host:
             host = f"[{host}]"
-        return f"ws://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     def stop(self) -> None:
-        """Ask the server to stop; safe from any thread."""
+        """Ask the server to stop (finish in-flight work, then close); safe from any thread."""
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if not self.config.certfile:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.config.certfile, self.config.keyfile)
+        return ctx
+
+    def _authorize(self, connection: ServerConnection, request):
+        """Refuse a missing or wrong token before any session exists (constant-time compare)."""
+        token = self.config.token
+        if token is None:
+            return None
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            peer = "%s:%s" % connection.remote_address[:2] if connection.remote_address else "?"
+            log.warning("refused %s: %s token", peer, "wrong" if given else "no")
+            return connection.respond(
+                http.HTTPStatus.UNAUTHORIZED,
+                "rgpu-server: missing or wrong token. Pass it with rgpu.connect(url, token=...), "
+                "RGPU_TOKEN, or ?token=... in the URL.\n",
+            )
+        return None
 
     async def run(self, on_ready=None) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         limits = self.config.limits
+        reaper = asyncio.create_task(self._reap())
         async with serve(
             self._handle,
             self.config.host,
             self.config.port,
+            ssl=self._ssl_context(),
+            process_request=self._authorize,
             compression=None,
             max_size=limits.max_message,
             max_queue=16,
@@ -125,9 +172,46 @@ class RgpuServer:
             if on_ready is not None:
                 on_ready(self)
             await self._stop.wait()
-            log.info("rgpu-server stopping")
-        for s in list(self.sessions.values()):
+            await self._shutdown(server)
+        reaper.cancel()
+        for s in self._expired:
+            s.join(10)
+
+    async def _shutdown(self, server) -> None:
+        """Stop taking sessions, let in-flight work finish, then close with "going away"."""
+        self._closing = True
+        log.info("rgpu-server stopping: finishing in-flight work of %d session(s)", len(self.sessions))
+        server.close(close_connections=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(not s.idle() for s in self.sessions.values()):
+            await asyncio.sleep(0.05)
+        for ws in list(self._connections):
+            await ws.close(CloseCode.GOING_AWAY, "rgpu-server is shutting down; its tensors are gone")
+        sessions = list(self.sessions.values())
+        for s in sessions:
             s.stop()
+        # Wait for the worker threads to end before the interpreter does: a daemon thread still
+        # inside a torch call when Python finalizes is unwound through C++ frames, and the
+        # process aborts with "terminate called without an active exception".
+        loop = asyncio.get_running_loop()
+        for s in sessions:
+            await loop.run_in_executor(None, s.join, 10)
+        self.sessions.clear()
+        log.info("rgpu-server stopped")
+
+    async def _reap(self) -> None:
+        """End sessions whose client has not come back within the grace period."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.grace / 4))
+            self._expired = [s for s in self._expired if s.alive()]
+            now = time.monotonic()
+            for sid, s in list(self.sessions.items()):
+                if s.ended or (s.detached_at is not None and now - s.detached_at > self.config.grace):
+                    self.sessions.pop(sid, None)
+                    s.stop()
+                    self._expired.append(s)
+                    if not s.ended:
+                        log.info("session %s expired after %.0f s without its client; its tensors are gone", s.hex, self.config.grace)
 
     # -- one connection ------------------------------------------------------------------------
 
@@ -151,29 +235,26 @@ class RgpuServer:
             await ws.send(refuse_frame("protocol", msg))
             await ws.close(CloseCode.VERSION_MISMATCH, "protocol version mismatch")
             return
+        if self._closing:
+            await ws.send(refuse_frame("closing", "the rgpu server is shutting down"))
+            await ws.close(CloseCode.GOING_AWAY, "shutting down")
+            return
         client_torch = str(hello.get("torch", "?"))
-        if torch_major_minor(client_torch) != torch_major_minor(torch.__version__):
-            log.warning("client %s runs torch %s, this server torch %s", peer, client_torch, torch.__version__)
-        session = Session(secrets.token_bytes(16), self.config.device, self.config.limits, client=peer)
-        self.sessions[session.id] = session
+        resume = hello.get("session")
+        session = self.sessions.get(resume) if isinstance(resume, bytes) else None
+        if session is not None and session.ended:
+            session = None
+        resumed = session is not None
+        if not resumed:
+            if len(self.sessions) >= self.config.max_sessions:
+                await ws.send(refuse_frame("full", f"the rgpu server already serves its maximum of {self.config.max_sessions} sessions"))
+                await ws.close(CloseCode.GOING_AWAY, "too many sessions")
+                return
+            if torch_major_minor(client_torch) != torch_major_minor(torch.__version__):
+                log.warning("client %s runs torch %s, this server torch %s", peer, client_torch, torch.__version__)
+            session = Session(secrets.token_bytes(16), self.config.device, self.config.limits, client=peer, quota=self.config.quota)
+            self.sessions[session.id] = session
         loop = asyncio.get_running_loop()
-        await ws.send(
-            welcome_frame(
-                {
-                    "protocol": PROTOCOL_VERSION,
-                    "server": __version__,
-                    "torch": torch.__version__,
-                    "session": session.id,
-                    "resumed": False,
-                    "last_seq": 0,
-                    "device": str(self.config.device),
-                    "device_name": device_name(self.config.device),
-                    "max_message": self.config.limits.max_message,
-                    "max_chunk": min(self.config.limits.max_chunk, self.config.limits.max_message // 2),
-                }
-            )
-        )
-        log.info("session %s started for %s (%s, torch %s)", session.hex, peer, hello.get("client", "?"), client_torch)
 
         async def send_frames(frames: list) -> None:
             for f in frames:
@@ -184,30 +265,61 @@ class RgpuServer:
             try:
                 fut.result()
             except Exception:
-                pass  # the connection is gone; the reader side ends the session
+                pass  # the connection is gone; the reader side detaches the session
 
         def on_protocol_error(reason: str) -> None:
             asyncio.run_coroutine_threadsafe(ws.close(CloseCode.PROTOCOL_ERROR, reason[:120]), loop)
 
-        session.send = send
-        session.on_protocol_error = on_protocol_error
-        received = 0
+        # the WELCOME goes out before this connection can receive any reply
+        await ws.send(
+            welcome_frame(
+                {
+                    "protocol": PROTOCOL_VERSION,
+                    "server": __version__,
+                    "torch": torch.__version__,
+                    "session": session.id,
+                    "resumed": resumed,
+                    "last_seq": session.last_seq,
+                    "device": str(self.config.device),
+                    "device_name": device_name(self.config.device),
+                    "max_message": self.config.limits.max_message,
+                    "max_chunk": min(self.config.limits.max_chunk, self.config.limits.max_message // 2),
+                }
+            )
+        )
+        generation = session.attach(send, on_protocol_error)
+        self._connections.add(ws)
+        if resumed:
+            log.info("session %s resumed by %s at message %d", session.hex, peer, session.last_seq)
+        else:
+            log.info("session %s started for %s (%s, torch %s)", session.hex, peer, hello.get("client", "?"), client_torch)
+        received = session.processed
         try:
             async for frame in ws:
+                if self._closing:
+                    continue  # shutting down: finish what arrived before, take nothing new
                 if isinstance(frame, str):
                     await ws.close(CloseCode.PROTOCOL_ERROR, "rgpu frames are binary")
                     break
                 received += len(frame)
-                session.inbox.put(frame)
+                session.put(generation, frame)
                 while received - session.processed > MAX_BACKLOG and session.alive():
                     await asyncio.sleep(0.002)
         except ConnectionClosed:
             pass
         finally:
-            session.send = None
-            session.stop()
-            self.sessions.pop(session.id, None)
-            log.info(
-                "session %s ended for %s after %d ops (%s)",
-                session.hex, peer, session.ops_run, ws.close_reason or "closed",
-            )  # fmt: skip
+            self._connections.discard(ws)
+            code = ws.close_code
+            if code == CloseCode.BYE and not session.ended:
+                # the client disconnected on purpose: nothing to resume
+                self.sessions.pop(session.id, None)
+                session.stop()
+                self._expired.append(session)
+                log.info("session %s ended for %s after %d ops", session.hex, peer, session.ops_run)
+            else:
+                session.detach(generation)
+                if not session.ended and not self._closing:
+                    log.info(
+                        "session %s lost its connection from %s (%s); kept %.0f s for a resume",
+                        session.hex, peer, ws.close_reason or f"code {code}", self.config.grace,
+                    )  # fmt: skip

@@ -51,6 +51,7 @@ class ResolvedOp:
     takes_generator: bool  # has a `generator` argument: pass the session's generator
     seeded: bool  # draws from the default generator without taking one: swap session state in
     writes: tuple[tuple[int, str], ...]  # (position or -1 if keyword-only, name) of written args
+    factory: bool = False  # takes a device and no tensor: allocates from nothing
 
 
 _cache: dict[str, ResolvedOp] = {}
@@ -71,7 +72,7 @@ def resolve(name: str) -> ResolvedOp:
         raise OpRefused(f"aten::{name} is not allowed on an rgpu server: it {why}")
     if name in SUBSTITUTES:
         sub = resolve(SUBSTITUTES[name])
-        resolved = ResolvedOp(sub.op, f"aten::{name}", sub.takes_generator, sub.seeded, sub.writes)
+        resolved = ResolvedOp(sub.op, f"aten::{name}", sub.takes_generator, sub.seeded, sub.writes, sub.factory)
         _cache[name] = resolved
         return resolved
     packet = getattr(torch.ops.aten, base, None)
@@ -89,6 +90,8 @@ def resolve(name: str) -> ResolvedOp:
         for i, a in enumerate(op._schema.arguments)
         if a.alias_info is not None and a.alias_info.is_write
     )
-    resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded, writes)
+    args = op._schema.arguments
+    factory = any(a.name == "device" for a in args) and not any("Tensor" in str(a.type) for a in args)
+    resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded, writes, factory)
     _cache[name] = resolved
     return resolved

@@ -7,6 +7,7 @@ sessions. Replies go back through `Session.send`, which the connection provides.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -21,6 +22,7 @@ from rgpu.protocol import (
     EXT_HOST,
     EXT_REF,
     EXT_VIEW,
+    WAITED,
     BatchReader,
     Encoder,
     Frame,
@@ -29,6 +31,7 @@ from rgpu.protocol import (
     ProtocolError,
     Status,
     TensorMeta,
+    ack_frame,
     byte_view,
     chunk_frame,
     decode_host,
@@ -48,6 +51,10 @@ DEFAULT_SEED = 67280421310721  # torch's own default seed, so a fresh session ac
 INLINE_DOWNLOAD = 1 << 20  # downloads up to this size ride inside the REPLY
 DOWNLOAD_CHUNK = 4 << 20
 MAX_DYNAMIC_OUTPUTS = 4096  # the client reserves this many ids for one RUN_DYN
+REPLY_CACHE = 32  # replies kept for resending after a dropped connection...
+REPLY_CACHE_BYTES = 512 << 20  # ...and their bytes (the newest is always kept)
+ACK_EVERY_MESSAGES = 2048
+ACK_EVERY_BYTES = 4 << 20
 _rng_swap_lock = threading.Lock()  # guards the process-wide default generator during a swap
 
 
@@ -72,11 +79,16 @@ class UploadAborted(Exception):
 ABORT_OFFSET = (1 << 64) - 1  # a CHUNK at this offset cancels the upload it belongs to
 
 
-class _Stop:
-    """Inbox sentinel: the connection closed."""
+class _Marker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __len__(self) -> int:
+        return 0
 
 
-STOP = _Stop()
+STOP = _Marker("stop")  # inbox sentinel: end the session
+DETACHED = _Marker("detached")  # inbox sentinel: the connection of this generation dropped
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -116,7 +128,9 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
 class Session:
     """Tensors, errors and RNG of one client, and the thread that executes its messages."""
 
-    def __init__(self, sid: bytes, device: torch.device, limits: Limits, client: str = "?") -> None:
+    def __init__(
+        self, sid: bytes, device: torch.device, limits: Limits, client: str = "?", quota: int | None = None
+    ) -> None:
         self.id = sid
         self.hex = sid.hex()[:8]
         self.device = device
@@ -134,6 +148,21 @@ class Session:
         self.processed = 0  # bytes of frames taken from the inbox (the reader pauses on backlog)
         self.send: Callable[[list], None] | None = None  # set by the connection
         self.on_protocol_error: Callable[[str], None] | None = None
+        # a session outlives its connection: a client that reconnects resumes it
+        self.generation = 0
+        self.detached_at: float | None = time.monotonic()
+        self.ended = False
+        self._busy = False
+        # replies to waited messages, kept so a reply lost with a connection can be sent again
+        self._replies: collections.OrderedDict[int, list] = collections.OrderedDict()
+        self._reply_bytes = 0
+        self._acked = 0  # last sequence number announced in an ACK frame
+        self._acked_bytes = 0
+        # optional memory quota (bytes of distinct storages this session holds)
+        self.quota = quota
+        self.held = 0
+        self._storage_of: dict[int, int] = {}  # tensor id -> storage key
+        self._storages: dict[int, list[int]] = {}  # storage key -> [nbytes, refcount]
         self._encoder = Encoder()
         self._bad: Any = None  # first missing id or Poison met while decoding the current message
         self._refs: dict[int, int] = {}  # id() of each tensor the current message names -> its id
@@ -144,10 +173,34 @@ class Session:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def stop(self) -> None:
-        self.inbox.put(STOP)
+        self.inbox.put((self.generation, STOP))
+
+    def attach(self, send: Callable[[list], None], on_protocol_error: Callable[[str], None]) -> int:
+        """A connection takes over the session; frames of older connections are ignored from now."""
+        self.generation += 1
+        self.send = send
+        self.on_protocol_error = on_protocol_error
+        self.detached_at = None
+        return self.generation
+
+    def detach(self, generation: int) -> None:
+        """The connection of `generation` ended; the session waits for a resume."""
+        if generation != self.generation:
+            return  # a newer connection already took over
+        self.send = None
+        self.on_protocol_error = None
+        self.detached_at = time.monotonic()
+        self.inbox.put((generation, DETACHED))
+
+    def put(self, generation: int, frame: bytes) -> None:
+        self.inbox.put((generation, frame))
 
     def alive(self) -> bool:
         return self._worker.is_alive()
+
+    def idle(self) -> bool:
+        """Nothing received is still waiting to run."""
+        return not self._busy and self.inbox.empty()
 
     def join(self, timeout: float | None = None) -> None:
         self._worker.join(timeout)
@@ -170,28 +223,49 @@ class Session:
     def _serve(self) -> None:
         try:
             while True:
-                frame = self.inbox.get()
+                generation, frame = self.inbox.get()
+                self.processed += len(frame)
                 if frame is STOP:
                     return
-                self.processed += len(frame)
+                if frame is DETACHED or generation != self.generation:
+                    continue  # from a connection that is gone or was superseded
+                self._busy = True
                 try:
                     self._handle_frame(frame)
                 except ConnectionGone:
-                    return
+                    continue  # the rest comes again when the client replays
                 except ProtocolError as e:
                     log.warning("session %s: protocol error: %s", self.hex, e)
-                    self._reply(0, Status.PROTOCOL, str(e))
-                    if self.on_protocol_error is not None:
-                        self.on_protocol_error(str(e))
+                    self._protocol_failure(str(e))
                     return
                 except Exception as e:  # a bug of ours: report it, keep the process alive
                     log.exception("session %s: internal error", self.hex)
-                    self._reply(0, Status.PROTOCOL, f"internal server error: {_describe(e)}")
-                    if self.on_protocol_error is not None:
-                        self.on_protocol_error("internal server error")
+                    self._protocol_failure(f"internal server error: {_describe(e)}")
                     return
+                finally:
+                    self._busy = False
+                self._maybe_ack()
         finally:
+            self.ended = True
             self.tensors.clear()
+            self._replies.clear()
+
+    def _protocol_failure(self, message: str) -> None:
+        """The stream is not understood: say so and end the session (its state is unknown)."""
+        self._reply(0, Status.PROTOCOL, message)
+        if self.on_protocol_error is not None:
+            self.on_protocol_error(message)
+
+    def _maybe_ack(self) -> None:
+        """Tell the client what was applied, now and then, so its replay buffer stays small."""
+        if self.last_seq > self._acked and (
+            self.inbox.empty()  # caught up: the client may be holding back, waiting for this
+            or self.last_seq - self._acked >= ACK_EVERY_MESSAGES
+            or self.processed - self._acked_bytes >= ACK_EVERY_BYTES
+        ):
+            self._acked = self.last_seq
+            self._acked_bytes = self.processed
+            self._send([ack_frame(self.last_seq)])
 
     def _handle_frame(self, frame: bytes) -> None:
         if not frame:
@@ -276,6 +350,8 @@ class Session:
                 self.last_seq = seq
             elif msg[0] == Kind.UPLOAD and len(msg) == 3 and type(msg[2]) is list:
                 self._receive_chunks(seq, msg[2])  # a replayed upload: drain its chunks, apply nothing
+            elif msg[0] in WAITED:
+                self._resend_reply(seq)  # its reply was lost with the old connection
             seq += 1
             self._bad = None
             if self._refs:
@@ -331,6 +407,8 @@ class Session:
         poison = Poison(label, message)
         for i in outs:
             if i is not None:
+                if self.quota is not None:
+                    self._uncharge(i)
                 self.tensors[i] = poison
         if self.first_error is None:
             self.first_error = (label, message)
@@ -398,6 +476,11 @@ class Session:
         if self._bad is not None:
             self._poison_from_bad(resolved.label, [*outs, *self._written_ids(resolved, args, kwargs)])
             return
+        if self.quota is not None and resolved.factory:
+            need = self._factory_bytes(resolved, args, kwargs)
+            if self.held + need > self.quota:
+                self._fail(resolved.label, self._oom_message(need), outs)
+                return
         try:
             result = self._call(resolved, args, kwargs)
         except Exception as e:
@@ -427,6 +510,8 @@ class Session:
                 elif v is not None:  # None: an undefined optional output (e.g. a masked-out grad)
                     self._fail(resolved.label, f"expected a tensor output, got {type(v).__name__}", outs)
                     return
+        if self.quota is not None:
+            self._charge(resolved.label, outs)
 
     def _check_expected(self, label: str, flat: list, expect, outs) -> list | None:
         """Make outputs match the client's predicted layout (a copy when only strides differ)."""
@@ -506,9 +591,11 @@ class Session:
             if isinstance(v, torch.Tensor) and v.layout != torch.strided:
                 self._reply(seq, Status.ERROR, [resolved.label, f"produced a {v.layout} tensor; rgpu supports dense (strided) tensors only"])
                 return
+        stored = []
         for v in flat:
             if isinstance(v, torch.Tensor):
                 self.tensors[next_id] = v
+                stored.append(next_id)
                 next_id += 1
                 values.append(
                     TensorMeta(v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.is_conj(), v.is_neg())
@@ -517,15 +604,81 @@ class Session:
                 values.append(v)
             else:
                 values.append(str(v))
+        if self.quota is not None and not self._charge(resolved.label, stored, report=False):
+            self.first_error = None
+            self._reply(seq, Status.ERROR, [resolved.label, self._oom_message(0)])
+            return
         self._reply(seq, Status.OK, values)
 
     def _free(self, msg: list) -> None:
         if len(msg) != 2 or type(msg[1]) is not list:
             raise ProtocolError("FREE takes a list of ids")
         pop = self.tensors.pop
+        if self.quota is not None:
+            for i in msg[1]:
+                if type(i) is int:
+                    self._uncharge(i)
         for i in msg[1]:
             if type(i) is int:
                 pop(i, None)
+
+    # -- memory quota ------------------------------------------------------------------------
+
+    def _charge(self, label: str, ids, report: bool = True) -> bool:
+        """Count new outputs against the quota; over it, drop them like an out-of-memory error."""
+        for i in ids:
+            if i is None:
+                continue
+            t = self.tensors.get(i)
+            if not isinstance(t, torch.Tensor) or i in self._storage_of:
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr() or -id(st)
+            entry = self._storages.get(key)
+            if entry is None:
+                self._storages[key] = [st.nbytes(), 1]
+                self.held += st.nbytes()
+            else:
+                entry[1] += 1
+            self._storage_of[i] = key
+        if self.held <= self.quota:
+            return True
+        message = self._oom_message(0)
+        for i in ids:
+            if i is not None:
+                self._uncharge(i)
+                self.tensors[i] = Poison(label, message)
+        if report and self.first_error is None:
+            self.first_error = (label, message)
+        return False
+
+    def _uncharge(self, tid: int) -> None:
+        key = self._storage_of.pop(tid, None)
+        if key is None:
+            return
+        entry = self._storages[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._storages[key]
+            self.held -= entry[0]
+
+    def _oom_message(self, need: int) -> str:
+        return (
+            f"OutOfMemoryError: this session holds {self.held} bytes"
+            + (f" and asked for {need} more" if need else "")
+            + f"; its quota on this server is {self.quota} bytes. Free tensors you no longer need "
+            "(del them) and try again."
+        )
+
+    def _factory_bytes(self, resolved, args: list, kwargs: dict | None) -> int:
+        """Bytes a factory would allocate, from its meta kernel: refused before it allocates."""
+        meta_kwargs = dict(kwargs or {})
+        meta_kwargs["device"] = torch.device("meta")
+        try:
+            out = resolved.op(*args, **meta_kwargs)
+        except Exception:
+            return 0  # the real call will fail with the real error
+        return sum(t.numel() * t.element_size() for t in _flatten(out) if isinstance(t, torch.Tensor))
 
     # -- transfers ---------------------------------------------------------------------------
 
@@ -574,11 +727,13 @@ class Session:
         view = memoryview(buf)
         got = 0
         while got < nbytes:
-            frame = self.inbox.get()
-            if frame is STOP:
-                self.inbox.put(STOP)
-                raise ConnectionGone()
+            generation, frame = self.inbox.get()
             self.processed += len(frame)
+            if frame is STOP:
+                self.inbox.put((generation, STOP))
+                raise ConnectionGone()
+            if frame is DETACHED or generation != self.generation:
+                raise ConnectionGone()  # the upload comes again, whole, when the client replays
             if not frame or frame[0] != Frame.CHUNK:
                 raise ProtocolError("UPLOAD expected a CHUNK frame next")
             cseq, offset, payload = parse_chunk(frame, self.limits)
@@ -617,8 +772,7 @@ class Session:
             self._reply(seq, Status.OK, bytes(data))
             return
         frames = [chunk_frame(Frame.DATA, seq, off, data[off : off + DOWNLOAD_CHUNK]) for off in range(0, n, DOWNLOAD_CHUNK)]
-        self._send(frames)
-        self._reply(seq, Status.OK, n)
+        self._reply(seq, Status.OK, n, frames)
 
     # -- replies and facts -------------------------------------------------------------------
 
@@ -626,8 +780,27 @@ class Session:
         if self.send is not None:
             self.send(frames)
 
-    def _reply(self, seq: int, status: Status, value: Any) -> None:
-        self._send([reply_frame(self._encoder.encode, seq, status, value)])
+    def _reply(self, seq: int, status: Status, value: Any, data: list | None = None) -> None:
+        frames = [*(data or ()), reply_frame(self._encoder.encode, seq, status, value)]
+        if seq:
+            self._remember(seq, frames)
+        self._send(frames)
+
+    def _remember(self, seq: int, frames: list) -> None:
+        size = sum(len(f) if not isinstance(f, list) else sum(len(x) for x in f) for f in frames)
+        self._replies[seq] = frames
+        self._reply_bytes += size
+        while len(self._replies) > 1 and (len(self._replies) > REPLY_CACHE or self._reply_bytes > REPLY_CACHE_BYTES):
+            _, old = self._replies.popitem(last=False)
+            self._reply_bytes -= sum(len(f) if not isinstance(f, list) else sum(len(x) for x in f) for f in old)
+
+    def _resend_reply(self, seq: int) -> None:
+        frames = self._replies.get(seq)
+        if frames is None:
+            frames = [reply_frame(self._encoder.encode, seq, Status.ERROR, [
+                "resume", "the reply to this request was lost with the connection and is no longer "
+                "kept; run the request again"])]  # fmt: skip
+        self._send(frames)
 
     def memory(self) -> tuple[int, int]:
         """(live tensor ids, bytes of the distinct storages they hold)."""
@@ -649,5 +822,6 @@ class Session:
             "last_seq": self.last_seq,
             "ops_run": self.ops_run,
             "conformed": self.conformed,
+            "quota": self.quota,
             "device": str(self.device),
         }
