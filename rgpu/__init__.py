@@ -13,7 +13,14 @@ from __future__ import annotations
 import sys
 
 from ._version import __version__
-from .errors import ConnectError, ConnectionLost, ProtocolViolation, RemoteError, RgpuError, SessionLost
+from .errors import (
+    ConnectError,
+    ConnectionLost,
+    ProtocolViolation,
+    RemoteError,
+    RgpuError,
+    SessionLost,
+)
 
 __all__ = [
     "__version__",
@@ -53,7 +60,14 @@ if not _IN_SERVER:
         """
         session = _get_session()
         if session is None:
-            return {"messages": 0, "waits": 0, "bytes_out": 0, "bytes_in": 0, "frames": 0, "wait_seconds": 0.0}
+            return {
+                "messages": 0,
+                "waits": 0,
+                "bytes_out": 0,
+                "bytes_in": 0,
+                "frames": 0,
+                "wait_seconds": 0.0,
+            }
         return session.stats()
 
     def current_session():

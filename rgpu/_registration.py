@@ -13,7 +13,19 @@ import torch
 from . import autocast, device_module, dispatch, host_memory, tensor
 
 _libs: list[torch.library.Library] = []  # registrations die with their Library object
-_SKIP = ("sparse", "quantized", "mkldnn", "nested", "cudnn", "miopen", "_make_dep_token", "from_file", "fbgemm", "vulkan", "mps")
+_SKIP = (
+    "sparse",
+    "quantized",
+    "mkldnn",
+    "nested",
+    "cudnn",
+    "miopen",
+    "_make_dep_token",
+    "from_file",
+    "fbgemm",
+    "vulkan",
+    "mps",
+)
 
 
 def _factory_overloads() -> list:

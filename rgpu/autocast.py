@@ -49,7 +49,12 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def _eligible(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == "rgpu" and t.dtype != torch.float64
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.device.type == "rgpu"
+        and t.dtype != torch.float64
+    )
 
 
 def _cast(x: Any, dtype: torch.dtype, only_low: bool = False) -> Any:
@@ -75,7 +80,10 @@ def _kernel(op: torch._ops.OpOverload, policy: str):
             dtype = torch.get_autocast_dtype("rgpu")
             args, kwargs = _cast(args, dtype), {k: _cast(v, dtype) for k, v in kwargs.items()}
         elif policy == "fp32":
-            args, kwargs = _cast(args, torch.float32, True), {k: _cast(v, torch.float32, True) for k, v in kwargs.items()}
+            args, kwargs = (
+                _cast(args, torch.float32, True),
+                {k: _cast(v, torch.float32, True) for k, v in kwargs.items()},
+            )
         elif policy == "promote":
             dtype = _widest(args, kwargs)
             if dtype is not None:
@@ -105,7 +113,12 @@ def install() -> None:
     fallback.fallback(torch.library.fallthrough_kernel, KEY)
     lib = torch.library.Library("aten", "IMPL")
     _libs.extend([fallback, lib])
-    for names, policy in ((LOWER, "lower"), (FP32, "fp32"), (PROMOTE, "promote"), (BANNED, "banned")):
+    for names, policy in (
+        (LOWER, "lower"),
+        (FP32, "fp32"),
+        (PROMOTE, "promote"),
+        (BANNED, "banned"),
+    ):
         for name in names:
             packet = getattr(torch.ops.aten, name, None)
             if packet is None:
@@ -114,7 +127,9 @@ def install() -> None:
                 op = getattr(packet, overload)
                 # never cast into a tensor the caller passed to be written (out=, in-place): the
                 # result would land in a temporary and the caller's tensor would stay unchanged
-                if any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+                if any(
+                    a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments
+                ):
                     continue
                 try:
                     lib.impl(op, _kernel(op, policy), KEY)

@@ -14,7 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI, WebSocketException
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidStatus,
+    InvalidURI,
+    WebSocketException,
+)
 from websockets.sync.client import ClientConnection, connect
 
 from ._version import __version__
@@ -102,7 +108,9 @@ class Connection:
         try:
             self.ws = connect(url, **_connect_kwargs(url, token, open_timeout))
         except InvalidURI as e:
-            raise ConnectError(f"{url!r} is not a websocket URL (expected ws://host:port or wss://host:port): {e}") from None
+            raise ConnectError(
+                f"{url!r} is not a websocket URL (expected ws://host:port or wss://host:port): {e}"
+            ) from None
         except InvalidStatus as e:
             status = e.response.status_code
             if status in (401, 403):
@@ -140,10 +148,14 @@ class Connection:
             welcome = parse_handshake(first, Frame.WELCOME)
         except (ConnectionClosed, ProtocolError, TimeoutError) as e:
             self.ws.close()
-            raise ConnectError(f"the server at {url} did not complete the rgpu handshake: {e}") from None
+            raise ConnectError(
+                f"the server at {url} did not complete the rgpu handshake: {e}"
+            ) from None
         if "refused" in welcome:
             self.ws.close()
-            raise ConnectError(f"the rgpu server at {url} refused this client: {welcome['message']}")
+            raise ConnectError(
+                f"the rgpu server at {url} refused this client: {welcome['message']}"
+            )
         if resume is not None and not welcome.get("resumed"):
             self.ws.close(CloseCode.BYE)
             raise SessionLost(

@@ -33,7 +33,9 @@ def _normalise_url(url: str) -> str:
         url = "ws://" + url  # "host:port" shorthand
     scheme = url.split("://", 1)[0].lower()
     if scheme not in ("ws", "wss"):
-        raise ConnectError(f"rgpu servers are reached over ws:// or wss://, not {scheme}:// ({url})")
+        raise ConnectError(
+            f"rgpu servers are reached over ws:// or wss://, not {scheme}:// ({url})"
+        )
     return url
 
 
@@ -47,13 +49,14 @@ def connect(url: str | None = None, *, token: str | None = None, timeout: float 
     """
     global _current
     with _lock:
-        disconnect()
         target = url or os.environ.get("RGPU_SERVER") or "local"
         token = token or os.environ.get("RGPU_TOKEN") or None
         if target == "local":
             server = EmbeddedServer(device=os.environ.get("RGPU_LOCAL_DEVICE", "auto"))
             try:
-                session = Session(server.url, token=server.token, open_timeout=timeout, local_process=server)
+                session = Session(
+                    server.url, token=server.token, open_timeout=timeout, local_process=server
+                )
             except BaseException:
                 server.stop()
                 raise
@@ -65,8 +68,25 @@ def connect(url: str | None = None, *, token: str | None = None, timeout: float 
             session = Session(_normalise_url(target), token=token, open_timeout=timeout)
         if _pending_seed is not None:
             session.post((Kind.SEED, _pending_seed))
+        # the old session ends only now: a mistyped URL does not cost the user their tensors
+        disconnect()
         _current = session
+        _warm_up()
         return session
+
+
+def _warm_up() -> None:
+    """Import what the first meta inference needs, off the critical path (it takes ~0.5 s)."""
+
+    def run() -> None:
+        import torch
+
+        try:
+            torch.empty(2, device="meta").add(1).relu().sum()
+        except Exception:
+            pass
+
+    threading.Thread(target=run, name="rgpu-warm-up", daemon=True).start()
 
 
 def disconnect() -> None:

@@ -28,7 +28,9 @@ def main() -> None:
     )
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to("rgpu")
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+    ).to("rgpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data, target = torch.randn(64, 16).to("rgpu"), torch.randn(64, 1).to("rgpu")
     before = rgpu.stats()

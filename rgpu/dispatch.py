@@ -16,7 +16,16 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from . import current as _cur
 from . import tensor as _tensor
 from .protocol import Kind, TensorMeta, ref_ext
-from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, patch_metadata, wrap, wrap_view, wrap_with_id
+from .tensor import (
+    Handle,
+    RemoteTensor,
+    key_of_meta,
+    meta_of_key,
+    patch_metadata,
+    wrap,
+    wrap_view,
+    wrap_with_id,
+)
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -29,16 +38,29 @@ _RUN_DYN = int(Kind.RUN_DYN)
 MAX_DYNAMIC_OUTPUTS = 4096
 
 # Ops whose output *shape* depends on float argument values: key those by value, not by type.
-_FLOAT_SHAPE_OPS = re.compile(r"^(arange|range|linspace|logspace|_?upsample_\w+|histc|_histogramdd\w*)$")
+_FLOAT_SHAPE_OPS = re.compile(
+    r"^(arange|range|linspace|logspace|_?upsample_\w+|histc|_histogramdd\w*)$"
+)
 # Ops whose meta strides (or shapes) are known to differ from real kernels: tell the server what
 # we predicted, so it makes its outputs match.
-_CONFORM_OPS = re.compile(r"^(_linalg_svd|linalg_eig|_linalg_eig|_fft_r2c|_fft_c2r|_fft_c2c|native_batch_norm|_native_batch_norm_legit\w*|_embedding_bag_forward_only|_embedding_bag)$")
+_CONFORM_OPS = re.compile(
+    r"^(_linalg_svd|linalg_eig|_linalg_eig|_fft_r2c|_fft_c2r|_fft_c2c|native_batch_norm|_native_batch_norm_legit\w*|_embedding_bag_forward_only|_embedding_bag)$"
+)
 
 
 class OpInfo:
     """What the client needs to know about one OpOverload, computed once."""
 
-    __slots__ = ("wire", "by_value", "dynamic", "nontensor", "conform", "special", "nret", "write_rets")
+    __slots__ = (
+        "wire",
+        "by_value",
+        "dynamic",
+        "nontensor",
+        "conform",
+        "special",
+        "nret",
+        "write_rets",
+    )
 
     def __init__(self, func: torch._ops.OpOverload) -> None:
         schema = func._schema
@@ -46,7 +68,9 @@ class OpInfo:
         self.wire = f"{name}.{func._overloadname}" if ns == "aten" else None
         self.by_value = bool(_FLOAT_SHAPE_OPS.match(name))
         tags = func.tags
-        self.dynamic = torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+        self.dynamic = (
+            torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+        )
         rets = schema.returns
         self.nret = len(rets)
         self.nontensor = bool(rets) and not any(_is_tensorish(r.type) for r in rets)
@@ -57,7 +81,10 @@ class OpInfo:
         for i, r in enumerate(rets):
             if r.alias_info is not None and r.alias_info.is_write:
                 for j, a in enumerate(schema.arguments):
-                    if a.alias_info is not None and a.alias_info.before_set == r.alias_info.before_set:
+                    if (
+                        a.alias_info is not None
+                        and a.alias_info.before_set == r.alias_info.before_set
+                    ):
                         self.write_rets.append((i, -1 if a.kwarg_only else j, a.name))
                         break
 
@@ -395,18 +422,28 @@ def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     first_id = _tensor.next_id()
     for _ in range(MAX_DYNAMIC_OUTPUTS):  # reserve a block of ids for the server to fill in order
         _tensor.next_id()
+
     def free_unclaimed(status, values) -> None:  # the caller was interrupted before the reply
         if type(values) is list:
             n = sum(type(v) is TensorMeta for v in values)
             sess.frees.extend(range(first_id, first_id + n))
             sess.kick()
 
-    values = sess.request((_RUN_DYN, info.wire, args, kwargs or None, first_id), on_abandoned=free_unclaimed)
+    values = sess.request(
+        (_RUN_DYN, info.wire, args, kwargs or None, first_id), on_abandoned=free_unclaimed
+    )
     flat = []
     tid = first_id
     for v in values:
         if type(v) is TensorMeta:
-            key = (v.dtype, tuple(v.shape), tuple(v.stride), v.offset, _span_bytes(v), (1 if v.conj else 0) | (2 if v.neg else 0))
+            key = (
+                v.dtype,
+                tuple(v.shape),
+                tuple(v.stride),
+                v.offset,
+                _span_bytes(v),
+                (1 if v.conj else 0) | (2 if v.neg else 0),
+            )
             flat.append(wrap_with_id(sess, key, tid))
             tid += 1
         else:
@@ -414,7 +451,11 @@ def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     # a written argument (out=, in-place) comes back as itself, with its new metadata
     for ret_index, pos, name in info.write_rets:
         target = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
-        if isinstance(target, RemoteTensor) and ret_index < len(flat) and isinstance(flat[ret_index], RemoteTensor):
+        if (
+            isinstance(target, RemoteTensor)
+            and ret_index < len(flat)
+            and isinstance(flat[ret_index], RemoteTensor)
+        ):
             patch_metadata(target, flat[ret_index]._r.key)
             flat[ret_index] = target
     if info.nret == 1:
@@ -439,7 +480,9 @@ def _plan_from_outputs(out: Any) -> Plan:
 
     s = spec(out)
     expect = [
-        TensorMeta(k[0], k[1], k[2], k[3], bool(k[5] & 1), bool(k[5] & 2)) if k is not None else None
+        TensorMeta(k[0], k[1], k[2], k[3], bool(k[5] & 1), bool(k[5] & 2))
+        if k is not None
+        else None
         for k in _flat_new_keys(s)
     ]
     return Plan(s, (), expect, None)
@@ -501,7 +544,9 @@ def _copy(func, info, args, kwargs):
 
 def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
     if src.device.type != "cpu":
-        raise RuntimeError(f"cannot copy a {src.device.type} tensor to rgpu directly; move it to the CPU first")
+        raise RuntimeError(
+            f"cannot copy a {src.device.type} tensor to rgpu directly; move it to the CPU first"
+        )
     if torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
         raise RuntimeError(
             f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b ({list(src.shape)}) "
@@ -524,7 +569,9 @@ def _is_pinned(func, info, args, kwargs):
 
 
 def _set_storage(func, info, args, kwargs):
-    raise NotImplementedError("rgpu tensors cannot be pointed at a raw Storage; use set_(other_tensor)")
+    raise NotImplementedError(
+        "rgpu tensors cannot be pointed at a raw Storage; use set_(other_tensor)"
+    )
 
 
 _SPECIAL.update(

@@ -35,7 +35,9 @@ def _is_pinned(self: torch.Tensor, device: torch.device | None = None) -> bool:
     if not _for_rgpu(device):
         return torch.ops.aten.is_pinned.default.redispatch(_COMPOSITE, self, device)
     held = _pinned.get(self.data_ptr())
-    return held is not None and held.untyped_storage().data_ptr() == self.untyped_storage().data_ptr()
+    return (
+        held is not None and held.untyped_storage().data_ptr() == self.untyped_storage().data_ptr()
+    )
 
 
 def install() -> None:

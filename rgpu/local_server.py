@@ -59,7 +59,9 @@ class EmbeddedServer:
                     tail = f.read()[-2000:]
             except OSError:
                 tail = ""
-            raise ConnectError(f"the embedded rgpu server did not start. Its log ({self.log_path}):\n{tail}")
+            raise ConnectError(
+                f"the embedded rgpu server did not start. Its log ({self.log_path}):\n{tail}"
+            )
         return text.split("=", 1)[1]
 
     def stop(self) -> None:

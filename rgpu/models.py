@@ -6,7 +6,6 @@ the CPU and on rgpu and compare.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,7 +46,9 @@ class CausalSelfAttention(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
@@ -57,7 +58,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(width)
         self.attn = CausalSelfAttention(width, heads, dropout)
         self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -67,7 +70,15 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A nanoGPT-shaped language model: token and position embeddings, causal attention, MLPs."""
 
-    def __init__(self, vocab: int = 65, width: int = 128, heads: int = 4, layers: int = 4, context: int = 64, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab: int = 65,
+        width: int = 128,
+        heads: int = 4,
+        layers: int = 4,
+        context: int = 64,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Embedding(context, width)
@@ -84,14 +95,20 @@ class TinyLM(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = idx.shape[1]
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok(idx) + self.pos(pos))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln(x))
-        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = (
+            None
+            if targets is None
+            else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        )
         return logits, loss
 
 
@@ -108,7 +125,9 @@ class LSTMRegressor(nn.Module):
         return self.out(y[:, -1])
 
 
-def lm_batch(vocab: int, batch: int, context: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_batch(
+    vocab: int, batch: int, context: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A random token batch and its next-token targets (CPU tensors)."""
     data = torch.randint(0, vocab, (batch, context + 1), generator=generator)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()

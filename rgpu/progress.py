@@ -28,7 +28,9 @@ class TransferProgress:
                 from tqdm.auto import tqdm
             except ImportError:
                 return
-            self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+            self._bar = tqdm(
+                total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False
+            )
 
     def update_to(self, done: int) -> None:
         if self._bar is not None and done > self._shown:

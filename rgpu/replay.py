@@ -38,11 +38,15 @@ class ReplayBuffer:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._cv = threading.Condition()
-        self._entries: collections.deque[tuple[int, bytes, ChunkedUpload | None]] = collections.deque()
+        self._entries: collections.deque[tuple[int, bytes, ChunkedUpload | None]] = (
+            collections.deque()
+        )
         self.bytes = 0
         self.acked = 0  # highest sequence number the server confirmed applied
 
-    def add(self, first_seq: int, messages: list[bytes], upload: ChunkedUpload | None = None) -> None:
+    def add(
+        self, first_seq: int, messages: list[bytes], upload: ChunkedUpload | None = None
+    ) -> None:
         """Keep messages first_seq, first_seq + 1, ...; `upload` belongs to the last one."""
         with self._cv:
             last = len(messages) - 1

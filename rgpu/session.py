@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from .connection import Connection, split_token
-from .errors import AuthError, ConnectError, ConnectionLost, ProtocolViolation, RemoteError, RgpuError, SessionLost
+from .errors import (
+    AuthError,
+    ConnectionLost,
+    ProtocolViolation,
+    RemoteError,
+    RgpuError,
+    SessionLost,
+)
 from .progress import TransferProgress
 from .protocol import (
     DEFAULT_LIMITS,
@@ -40,14 +47,16 @@ from .protocol import (
     parse_reply,
 )
 from .replay import ChunkedUpload, ReplayBuffer
-from .writer import FrameWriter
 from .tensor import RemoteTensor
+from .writer import FrameWriter
 
 log = logging.getLogger("rgpu")
 
 INLINE_UPLOAD = 256 * 1024  # uploads up to this size ride inside the op stream
 UPLOAD_CHUNK = 1 << 20  # small enough that an interrupted upload stops within one chunk
 ABORT_OFFSET = (1 << 64) - 1  # a CHUNK at this offset cancels the upload it belongs to
+FREE_BYTES = 64 << 20  # freed tensors holding this much go to the server with the next op...
+FREE_COUNT = 1024  # ...and so do this many; otherwise frees ride along with the next wait
 
 
 def _env_int(name: str, default: int) -> int:
@@ -63,7 +72,9 @@ def _encode_hook(obj: Any) -> Any:
         return obj._r.ext
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
-            raise EncodeError(f"cannot mix a {obj.device.type} tensor with rgpu tensors; move it to rgpu first")
+            raise EncodeError(
+                f"cannot mix a {obj.device.type} tensor with rgpu tensors; move it to rgpu first"
+            )
         t = obj.detach().resolve_conj().resolve_neg().contiguous()
         if t.numel() == 0:
             return host_ext(t.dtype, tuple(t.shape), b"")
@@ -112,6 +123,7 @@ class Session:
         self._open_timeout = open_timeout
         self.lock = threading.RLock()
         self.frees: collections.deque[int] = collections.deque()
+        self.free_bytes = 0  # storage bytes behind `frees`
         self.flush_ops = _env_int("RGPU_FLUSH_OPS", 128)
         self.flush_bytes = _env_int("RGPU_FLUSH_BYTES", 1 << 20)
         self.quiet_s = _env_int("RGPU_QUIET_US", 2000) / 1e6
@@ -155,7 +167,9 @@ class Session:
         self.max_chunk = min(int(welcome.get("max_chunk", UPLOAD_CHUNK)), UPLOAD_CHUNK)
         self.max_message = int(welcome.get("max_message", DEFAULT_LIMITS.max_message))
         self._writer = self._new_writer(self.conn)
-        self._quiet = threading.Thread(target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True)
+        self._quiet = threading.Thread(
+            target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
+        )
         self._quiet.start()
 
     def _open(self, resume: bytes | None) -> Connection:
@@ -195,7 +209,9 @@ class Session:
                 "its tensors are unreachable. Call rgpu.connect() to start a new session."
             )
         if self.closed:
-            raise RgpuError("this rgpu session was disconnected; its tensors are gone. Call rgpu.connect().")
+            raise RgpuError(
+                "this rgpu session was disconnected; its tensors are gone. Call rgpu.connect()."
+            )
 
     def _too_big(self, data: bytes) -> None:
         if len(data) > self.max_message - 64:
@@ -214,6 +230,7 @@ class Session:
         pending = self._pending
         pending.append(data)
         self._pending_bytes += len(data)
+        self.bytes_out += len(data)
         self.messages += 1
         return self._first_seq + len(pending) - 1
 
@@ -222,12 +239,15 @@ class Session:
         with self.lock:
             if self._broken is not None or self.closed:
                 self._check_usable()
+            if self.free_bytes >= FREE_BYTES or len(self.frees) >= FREE_COUNT:
+                self._drain_frees_locked()  # big or many: let the server reuse that memory now
             data = self._encode(msg)
             if len(data) > 65536:
                 self._too_big(data)
             pending = self._pending
             pending.append(data)
             self._pending_bytes += len(data)
+            self.bytes_out += len(data)
             self.messages += 1
             if len(pending) >= self.flush_ops or self._pending_bytes >= self.flush_bytes:
                 self._flush_locked()
@@ -235,9 +255,11 @@ class Session:
                 self._quiet_kick.set()
 
     def flush(self) -> None:
+        """Send everything queued, frees included (no wait). Jupyter calls it between cells."""
         with self.lock:
             if self._pending or self.frees:
                 self._check_usable()
+                self._drain_frees_locked()
                 self._flush_locked()
 
     def _drain_frees_locked(self) -> None:
@@ -250,13 +272,13 @@ class Session:
                     ids.append(frees.popleft())
             except IndexError:
                 pass
+            self.free_bytes = 0
             self._append_locked((Kind.FREE, ids))
 
     def _flush_locked(self, upload: ChunkedUpload | None = None) -> None:
         """Send the queue. With `upload`, the queue ends with that UPLOAD message and its chunks
-        follow the batch, so nothing may be appended after it (frees were drained before it)."""
-        if upload is None:
-            self._drain_frees_locked()
+        follow the batch. Frees are not drained here but at op boundaries (waits, `flush`, or
+        when they pile up), so the message count does not depend on when flushes happen."""
         pending = self._pending
         if not pending:
             return
@@ -286,7 +308,6 @@ class Session:
         nbytes = len(frame) if type(frame) is bytes else sum(len(b) for b in frame)
         ticket = self._writer.queue(frame, nbytes, tag)
         self.frames += 1
-        self.bytes_out += nbytes
         return ticket
 
     def kick(self) -> None:
@@ -308,7 +329,7 @@ class Session:
                     break
                 last = now
             with self.lock:
-                if (self._pending or self.frees) and self._broken is None and not self.closed:
+                if self._pending and self._broken is None and not self.closed:
                     try:
                         self._flush_locked()
                     except RgpuError:
@@ -373,12 +394,15 @@ class Session:
 
     def _on_frame(self, frame: bytes) -> None:
         """Reader thread: route one server frame."""
-        self.bytes_in += len(frame)
         kind = frame[0] if frame else -1
+        if kind != Frame.ACK:
+            self.bytes_in += len(frame)
         if kind == Frame.REPLY:
             seq, status, value = parse_reply(frame)
             if status is Status.PROTOCOL and seq == 0:
-                self._mark_broken(ProtocolViolation(f"the server reported a protocol error: {value}"))
+                self._mark_broken(
+                    ProtocolViolation(f"the server reported a protocol error: {value}")
+                )
                 return
             self._replay.ack(seq)  # the server runs messages in order: all before seq are applied
             self._unanswered.pop(seq, None)
@@ -490,7 +514,9 @@ class Session:
         data = byte_view(upload.src)
         chunk = self.max_chunk
         for off in range(0, upload.nbytes, chunk):
-            upload.ticket = self._send(chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]), tag)
+            upload.ticket = self._send(
+                chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]), tag
+            )
         upload.writer = self._writer
 
     def _mark_broken(self, exc: BaseException) -> None:
@@ -517,6 +543,7 @@ class Session:
                 self._check_usable()
                 self._drain_frees_locked()
                 seq = self._append_locked((Kind.UPLOAD, dst, [src.dtype, list(src.shape), nbytes]))
+                self.bytes_out += nbytes
                 try:
                     self._flush_locked(upload)
                     self._send_chunks(seq, upload, tag)
@@ -528,7 +555,11 @@ class Session:
             try:
                 while not upload.done.is_set():
                     writer = upload.writer
-                    if writer is not None and upload.ticket and writer.wait_written(upload.ticket, 0.1):
+                    if (
+                        writer is not None
+                        and upload.ticket
+                        and writer.wait_written(upload.ticket, 0.1)
+                    ):
                         break
                     if writer is None or not upload.ticket:
                         upload.done.wait(0.1)
@@ -562,7 +593,9 @@ class Session:
         def sink(offset: int, payload: memoryview) -> None:
             view[offset : offset + len(payload)] = payload
 
-        value = self.request((Kind.DOWNLOAD, w), sink, progress=TransferProgress(nbytes, "rgpu download"))
+        value = self.request(
+            (Kind.DOWNLOAD, w), sink, progress=TransferProgress(nbytes, "rgpu download")
+        )
         if type(value) is bytes:
             if len(value) != nbytes:
                 raise ProtocolViolation(f"download of {nbytes} bytes returned {len(value)}")
@@ -602,7 +635,7 @@ class Session:
 
     @property
     def state(self) -> str:
-        """"connected", "reconnecting", "lost" (gave up) or "closed" (disconnected on purpose)."""
+        """ "connected", "reconnecting", "lost" (gave up) or "closed" (disconnected on purpose)."""
         if self.closed:
             return "closed"
         if self._broken is not None:
@@ -617,7 +650,9 @@ class Session:
         t0 = time.perf_counter()
         pong = self.conn.ws.ping()
         if not pong.wait(timeout):
-            raise ConnectionLost(f"the rgpu server at {self.url} did not answer a ping within {timeout} s")
+            raise ConnectionLost(
+                f"the rgpu server at {self.url} did not answer a ping within {timeout} s"
+            )
         return time.perf_counter() - t0
 
     def stats(self) -> dict:

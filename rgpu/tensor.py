@@ -51,10 +51,9 @@ class Handle:
         if self.base is not None:
             return
         try:
-            frees = self.sess.frees
-            frees.append(self.id)
-            if len(frees) == 1:  # let the quiet-flush thread send it if nothing else does
-                self.sess.kick()
+            sess = self.sess
+            sess.frees.append(self.id)
+            sess.free_bytes += self.key[4]
         except Exception:  # interpreter shutdown
             pass
 
@@ -87,7 +86,9 @@ class RemoteTensor(torch.Tensor):
 
     def numpy(self, *, force: bool = False) -> Any:
         if self.requires_grad and not force:
-            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+            raise RuntimeError(
+                "Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead."
+            )
         return self.detach().cpu().numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
@@ -152,7 +153,13 @@ def wrap_view(sess: Session, key: Key, of: Handle) -> RemoteTensor:
     """A lazy view with metadata `key` over the storage of `of` (no server message)."""
     dtype, shape, stride, offset, nbytes, flags = key
     w = _make(
-        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=DEVICE, storage_size=nbytes
+        RemoteTensor,
+        shape,
+        strides=stride,
+        storage_offset=offset,
+        dtype=dtype,
+        device=DEVICE,
+        storage_size=nbytes,
     )
     w._r = Handle(sess, 0, key, of.base or of)
     return w
@@ -168,7 +175,14 @@ def wrap_with_id(sess: Session, key: Key, tid: int) -> RemoteTensor:
 def key_of_meta(m: torch.Tensor) -> Key:
     """The metadata key of a meta (or any) tensor."""
     flags = (1 if m.is_conj() else 0) | (2 if m.is_neg() else 0)
-    return (m.dtype, tuple(m.shape), m.stride(), m.storage_offset(), m.untyped_storage().nbytes(), flags)
+    return (
+        m.dtype,
+        tuple(m.shape),
+        m.stride(),
+        m.storage_offset(),
+        m.untyped_storage().nbytes(),
+        flags,
+    )
 
 
 def meta_of_key(key: Key) -> torch.Tensor:
@@ -193,10 +207,18 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
     dtype, shape, stride, offset, nbytes, flags = key
     with torch.no_grad(), no_dispatch():
         if nbytes != w.untyped_storage().nbytes() or dtype != w.dtype:
-            big = _make(RemoteTensor, (nbytes // max(dtype.itemsize, 1),), dtype=dtype, device=DEVICE, storage_size=nbytes)
+            big = _make(
+                RemoteTensor,
+                (nbytes // max(dtype.itemsize, 1),),
+                dtype=dtype,
+                device=DEVICE,
+                storage_size=nbytes,
+            )
             torch._C._set_meta_in_tls_dispatch_include(True)
             try:
-                torch.ops.aten.set_.source_Storage_storage_offset(w, big.untyped_storage(), offset, shape, stride)
+                torch.ops.aten.set_.source_Storage_storage_offset(
+                    w, big.untyped_storage(), offset, shape, stride
+                )
             finally:
                 torch._C._set_meta_in_tls_dispatch_include(False)
         else:

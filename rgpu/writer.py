@@ -17,7 +17,9 @@ MAX_QUEUED_BYTES = 64 << 20  # queue() blocks beyond this: memory stays bounded 
 
 
 class FrameWriter:
-    def __init__(self, send: Callable[[bytes | list], None], on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self, send: Callable[[bytes | list], None], on_error: Callable[[BaseException], None]
+    ) -> None:
         self._send = send
         self._on_error = on_error
         self._cv = threading.Condition()
@@ -34,7 +36,9 @@ class FrameWriter:
     def queue(self, frame: bytes | list, nbytes: int, tag: object = None) -> int:
         """Queue a frame; returns its ticket. Blocks while too many bytes are waiting."""
         with self._cv:
-            while self._queued_bytes > MAX_QUEUED_BYTES and self.failed is None and not self._closed:
+            while (
+                self._queued_bytes > MAX_QUEUED_BYTES and self.failed is None and not self._closed
+            ):
                 self._cv.wait(0.1)
             ticket = self._next_ticket
             self._next_ticket += 1

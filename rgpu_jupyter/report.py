@@ -6,12 +6,9 @@ The `%%rgpu` line has one fixed format, because notebooks check it as output:
 
 Counts are exact; bytes use binary units with one decimal. Times never appear in that line.
 
-Which of these numbers repeat from run to run: waits always. Messages repeat except for FREE
-messages (tensors the cell dropped are freed on the server by FREE messages, one per outgoing
-batch with ids to carry, and batches also leave whenever the client has been quiet for 2 ms), so
-a cell that drops tensors while it runs may count one or two more messages on a busy machine;
-notebooks/sanitize.cfg masks message counts until the core sends frees deterministically. Bytes
-include frame headers, whose number follows the same timing.
+All three repeat from run to run for the same code: the client sends FREE messages at op
+boundaries (waits, or when freed tensors pile up), never on a timer, and counts bytes per message
+and per tensor payload, not per frame. Notebooks compare them exactly.
 """
 
 from __future__ import annotations

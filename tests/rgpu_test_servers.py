@@ -11,7 +11,9 @@ import threading
 class ServerProcess:
     """`python -m rgpu_server` on 127.0.0.1:0; `url` once it listens."""
 
-    def __init__(self, *extra: str, env: dict | None = None, device: str = "cpu", port: int = 0) -> None:
+    def __init__(
+        self, *extra: str, env: dict | None = None, device: str = "cpu", port: int = 0
+    ) -> None:
         cmd = [sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", str(port), "--device", device,
                "--announce", *extra]  # fmt: skip
         self.proc = subprocess.Popen(

@@ -12,7 +12,9 @@ def pair():
 
 
 def check(r, c):
-    assert r.shape == c.shape and r.stride() == c.stride() and r.storage_offset() == c.storage_offset()
+    assert (
+        r.shape == c.shape and r.stride() == c.stride() and r.storage_offset() == c.storage_offset()
+    )
     assert torch.equal(r.cpu(), c)
 
 
@@ -92,7 +94,11 @@ def test_out_arguments_write_and_return_the_given_tensor(dev):
         lambda x: x.resize_as_(torch.empty(5, 5, device=x.device)),
         lambda x: x.as_strided_((3, 3), (1, 3), 2),
         lambda x: x.swapdims_(0, 1),
-        lambda x: x.set_(x.new_zeros(3, 2) + 1) if x.device.type == "rgpu" else x.set_(x.new_zeros(3, 2) + 1),
+        lambda x: (
+            x.set_(x.new_zeros(3, 2) + 1)
+            if x.device.type == "rgpu"
+            else x.set_(x.new_zeros(3, 2) + 1)
+        ),
         lambda x: x.t_().t_().unsqueeze_(2).squeeze_(2),
     ],
 )
@@ -100,7 +106,9 @@ def test_metadata_changing_inplace_ops(dev, op):
     c, r = pair()
     op(c)
     op(r)
-    assert r.shape == c.shape and r.stride() == c.stride() and r.storage_offset() == c.storage_offset()
+    assert (
+        r.shape == c.shape and r.stride() == c.stride() and r.storage_offset() == c.storage_offset()
+    )
     if c.numel() and op.__code__.co_consts and "resize" not in str(op.__code__.co_names):
         assert torch.equal(r.cpu(), c)
     # the tensor keeps working after its metadata changed
@@ -119,11 +127,27 @@ def test_resize_then_fill_reads_back_the_grown_tensor(dev):
     "fn",
     [
         lambda d: torch.tensor([1.0, 2.0, 3.0], device=d) @ torch.tensor([4.0, 5.0, 6.0], device=d),
-        lambda d: torch.arange(6.0, device=d).reshape(2, 3) @ torch.tensor([1.0, 0.0, 2.0], device=d),
+        lambda d: (
+            torch.arange(6.0, device=d).reshape(2, 3) @ torch.tensor([1.0, 0.0, 2.0], device=d)
+        ),
         lambda d: torch.quantile(torch.arange(10.0, device=d), torch.tensor([0.25, 0.5], device=d)),
         lambda d: torch.quantile(torch.arange(12.0, device=d).reshape(3, 4), 0.3, dim=1),
-        lambda d: torch.stft(torch.arange(64.0, device=d).sin(), 16, window=torch.hann_window(16, device=d), return_complex=True),
-        lambda d: torch.istft(torch.stft(torch.arange(64.0, device=d).cos(), 16, window=torch.hann_window(16, device=d), return_complex=True), 16, window=torch.hann_window(16, device=d)),
+        lambda d: torch.stft(
+            torch.arange(64.0, device=d).sin(),
+            16,
+            window=torch.hann_window(16, device=d),
+            return_complex=True,
+        ),
+        lambda d: torch.istft(
+            torch.stft(
+                torch.arange(64.0, device=d).cos(),
+                16,
+                window=torch.hann_window(16, device=d),
+                return_complex=True,
+            ),
+            16,
+            window=torch.hann_window(16, device=d),
+        ),
     ],
 )
 def test_ops_the_published_rgpu_refuses_work(dev, fn):
@@ -134,6 +158,8 @@ def test_expand_broadcast_and_chunks(dev):
     c = torch.arange(3.0).reshape(3, 1)
     r = c.to(dev)
     check(r.expand(3, 4), c.expand(3, 4))
-    assert torch.equal((r.expand(3, 4) + torch.ones(4, device=dev)).sum(0).cpu(), (c.expand(3, 4) + 1).sum(0))
+    assert torch.equal(
+        (r.expand(3, 4) + torch.ones(4, device=dev)).sum(0).cpu(), (c.expand(3, 4) + 1).sum(0)
+    )
     for a, b in zip(torch.arange(10.0, device=dev).chunk(3), torch.arange(10.0).chunk(3)):
         check(a, b)

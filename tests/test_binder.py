@@ -51,7 +51,13 @@ def test_start_runs_a_notebook_against_the_server_it_started(tmp_path):
         "--output-dir", str(tmp_path), str(ROOT / "notebooks" / "01_quickstart.ipynb"),
     ]  # fmt: skip
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=240)

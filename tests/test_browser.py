@@ -51,7 +51,10 @@ print("trained", step, "steps")
 """
 
 pytestmark = [
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} is not installed (apt-get install chromium)"),
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(),
+        reason=f"{CHROMIUM} is not installed (apt-get install chromium)",
+    ),
     pytest.mark.timeout(180),
 ]
 
@@ -69,7 +72,13 @@ def jupyterlab(server, tmp_path):
     root.mkdir()
     nb = nbformat.v4.new_notebook(
         cells=[nbformat.v4.new_code_cell(TRAIN_CELL)],
-        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}},
+        metadata={
+            "kernelspec": {
+                "name": "python3",
+                "display_name": "Python 3 (ipykernel)",
+                "language": "python",
+            }
+        },
     )
     nbformat.write(nb, root / "live.ipynb")
     port, token = _free_port(), secrets.token_hex(16)
@@ -87,7 +96,9 @@ def jupyterlab(server, tmp_path):
         "--LabApp.news_url=None",
     ]  # fmt: skip
     log = open(tmp_path / "jupyterlab.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -184,4 +195,3 @@ def test_widget_counters_move_while_the_cell_runs(jupyterlab):
             raise
         finally:
             browser.close()
-

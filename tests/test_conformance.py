@@ -15,7 +15,14 @@ torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invo
 op_db = torch_testing.op_db
 
 SAMPLES = 3
-UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_permuted", "empty_strided"}
+UNINITIALISED = {
+    "empty",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "empty_permuted",
+    "empty_strided",
+}
 XFAIL_FILE = __file__.rsplit("/", 1)[0] + "/conformance_xfail.txt"
 
 
@@ -71,7 +78,9 @@ def run_op_both_ways(op) -> int:
             assert tree_map(_meta, remote) == tree_map(_meta, expected)
         else:
             got = tree_map(_cpu, remote)
-            torch.testing.assert_close(got, expected, equal_nan=True, rtol=1e-4, atol=1e-5, check_device=False)
+            torch.testing.assert_close(
+                got, expected, equal_nan=True, rtol=1e-4, atol=1e-5, check_device=False
+            )
         compared += 1
     return compared
 

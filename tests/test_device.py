@@ -33,7 +33,11 @@ def test_tensors_report_the_rgpu_device(dev):
     x = torch.zeros(2, device=dev)
     assert x.device == torch.device("rgpu", 0)
     assert x.is_rgpu and type(x) is rgpu.RemoteTensor
-    assert torch.rgpu.is_available() and torch.rgpu.device_count() == 1 and torch.rgpu.current_device() == 0
+    assert (
+        torch.rgpu.is_available()
+        and torch.rgpu.device_count() == 1
+        and torch.rgpu.current_device() == 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -71,7 +75,9 @@ def test_factories_match_cpu(dev, make):
     same(make(dev), make("cpu"))
 
 
-@pytest.mark.parametrize("fn", ["randn", "rand", "randint", "randperm", "bernoulli", "normal", "multinomial"])
+@pytest.mark.parametrize(
+    "fn", ["randn", "rand", "randint", "randperm", "bernoulli", "normal", "multinomial"]
+)
 def test_random_factories_follow_the_seed_like_the_cpu(dev, fn):
     calls = {
         "randn": lambda d: torch.randn(3, 4, device=d),
@@ -168,7 +174,9 @@ def test_every_dtype_roundtrips_and_computes(dev, dtype):
     if dtype.is_complex:
         cpu = (base + 1j * base.flip(0)).to(dtype)
     else:
-        cpu = base.clamp(min=0 if not dtype.is_signed and not dtype.is_floating_point else -3).to(dtype)
+        cpu = base.clamp(min=0 if not dtype.is_signed and not dtype.is_floating_point else -3).to(
+            dtype
+        )
     r = cpu.to(dev)
     same(r, cpu)
     same(r.t().contiguous(), cpu.t().contiguous())
@@ -217,7 +225,10 @@ def test_cpu_scalar_tensors_and_python_numbers_mix_in(dev):
     same(r.half() + 1.5, cpu.half() + 1.5)  # a Python float does not promote a half tensor
     same(r[0].half() * 1e-3, cpu[0].half() * 1e-3)
     same(torch.tensor([True, False], device=dev) + 1, torch.tensor([True, False]) + 1)
-    same(torch.tensor([1, 2], dtype=torch.int8, device=dev) * 3, torch.tensor([1, 2], dtype=torch.int8) * 3)
+    same(
+        torch.tensor([1, 2], dtype=torch.int8, device=dev) * 3,
+        torch.tensor([1, 2], dtype=torch.int8) * 3,
+    )
 
 
 def test_mixing_a_cpu_tensor_is_an_error_like_cuda(dev):
@@ -269,7 +280,9 @@ def test_matmul_reductions_and_nn_functional(dev):
     a, b = torch.randn(8, 5), torch.randn(5, 3)
     ra, rb = a.to(dev), b.to(dev)
     torch.testing.assert_close((ra @ rb).cpu(), a @ b)
-    torch.testing.assert_close(torch.nn.functional.softmax(ra, -1).cpu(), torch.nn.functional.softmax(a, -1))
+    torch.testing.assert_close(
+        torch.nn.functional.softmax(ra, -1).cpu(), torch.nn.functional.softmax(a, -1)
+    )
     torch.testing.assert_close(ra.std(0).cpu(), a.std(0))
     vals, idx = ra.max(1)
     torch.testing.assert_close(vals.cpu(), a.max(1).values)

@@ -24,7 +24,9 @@ CPU = torch.tensor([[0.5, -1.0, 2.0, 0.0], [3.0, 0.0, -2.5, 1.0], [0.0, 4.0, 1.0
         lambda x: torch.unique(x.long(), dim=0),
         lambda x: torch.where(x > 0),
         lambda x: torch.bincount((x.abs() * 2).long().flatten()),
-        lambda x: torch.repeat_interleave(torch.arange(3, device=x.device), torch.tensor([1, 0, 2], device=x.device)),
+        lambda x: torch.repeat_interleave(
+            torch.arange(3, device=x.device), torch.tensor([1, 0, 2], device=x.device)
+        ),
     ],
 )
 def test_data_dependent_ops_match_cpu_with_one_wait(dev, counted, fn):

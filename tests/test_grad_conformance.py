@@ -48,7 +48,11 @@ def _move(device):
 def _scalar_loss(out) -> torch.Tensor | None:
     total = None
     for o in tree_flatten(out)[0]:
-        if isinstance(o, torch.Tensor) and o.requires_grad and (o.is_floating_point() or o.is_complex()):
+        if (
+            isinstance(o, torch.Tensor)
+            and o.requires_grad
+            and (o.is_floating_point() or o.is_complex())
+        ):
             term = torch.view_as_real(o).sum() if o.is_complex() else o.sum()
             total = term if total is None else total + term
     return total
@@ -57,7 +61,11 @@ def _scalar_loss(out) -> torch.Tensor | None:
 def _grads(op, sample, device):
     torch.manual_seed(1234)
     inp, args, kwargs = tree_map(_move(device), (sample.input, sample.args, sample.kwargs))
-    leaves = [t for t in tree_flatten((inp, args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [
+        t
+        for t in tree_flatten((inp, args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
     loss = _scalar_loss(op(inp, *args, **kwargs))
     if loss is None or not leaves:
         return None

@@ -68,7 +68,8 @@ def test_connect_prints_one_line_with_server_device_and_rtt(ip, server, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1
     assert re.fullmatch(
-        rf"rgpu: connected to {re.escape(server.url)}, cpu \(CPU.*\), RTT \d+(\.\d+)? (µs|ms|s)", out[0]
+        rf"rgpu: connected to {re.escape(server.url)}, cpu \(CPU.*\), RTT \d+(\.\d+)? (µs|ms|s)",
+        out[0],
     ), out
     assert rgpu.current_session().url == server.url
 
@@ -109,9 +110,17 @@ def test_status_names_server_versions_session_holdings_and_rtt(connected, capsys
     connected.run_line_magic("rgpu", "status")
     out = capsys.readouterr().out
     s = rgpu.current_session()
-    assert re.search(rf"^server +{re.escape(s.url)} \(rgpu-server .+, torch {re.escape(s.server_torch)}\)$", out, re.M)
+    assert re.search(
+        rf"^server +{re.escape(s.url)} \(rgpu-server .+, torch {re.escape(s.server_torch)}\)$",
+        out,
+        re.M,
+    )
     assert re.search(r"^device +cpu \(CPU.*\)$", out, re.M)
-    assert re.search(rf"^client +rgpu {re.escape(rgpu.__version__)}, torch {re.escape(torch.__version__)}$", out, re.M)
+    assert re.search(
+        rf"^client +rgpu {re.escape(rgpu.__version__)}, torch {re.escape(torch.__version__)}$",
+        out,
+        re.M,
+    )
     assert re.search(rf"^session +{s.session_id}$", out, re.M)
     assert re.search(r"^state +connected$", out, re.M)
     held = re.search(r"^held +(\d+) tensors?, (\d+) B on the server$", out, re.M)
@@ -167,7 +176,9 @@ def test_cell_magic_returns_the_last_expression_and_keeps_names(connected, capsy
 
 
 def test_cell_magic_reports_a_shape_error_raised_before_anything_is_sent(connected, capsys):
-    result = connected.run_cell("%%rgpu\na = torch.ones(3, device='rgpu')\nb = torch.ones(4, device='rgpu')\na + b")
+    result = connected.run_cell(
+        "%%rgpu\na = torch.ones(3, device='rgpu')\nb = torch.ones(4, device='rgpu')\na + b"
+    )
     assert isinstance(result.error_in_exec, RuntimeError)
     assert "broadcast" in str(result.error_in_exec)
     out = capsys.readouterr().out
@@ -207,7 +218,9 @@ def test_a_usage_error_shows_as_one_line_in_a_cell(ip, capsys):
     assert isinstance(result.error_in_exec, UsageError)
     err = capsys.readouterr()
     shown = (err.out + err.err).strip().splitlines()
-    assert len(shown) == 1 and shown[0].startswith("UsageError: argument action: invalid choice"), shown
+    assert len(shown) == 1 and shown[0].startswith("UsageError: argument action: invalid choice"), (
+        shown
+    )
 
 
 def test_help_comes_from_the_docstring(ip):
@@ -231,9 +244,21 @@ def test_stats_table_lists_recent_cells_and_marks_failures(connected, capsys):
     assert [r.waits for r in table.rows] == [1, 3, 1]
     assert [r.success for r in table.rows] == [True, True, False]
     text = repr(table)
-    assert text.splitlines()[0].split() == ["cell", "messages", "waits", "out", "in", "wait", "wall", "code"]
+    assert text.splitlines()[0].split() == [
+        "cell",
+        "messages",
+        "waits",
+        "out",
+        "in",
+        "wait",
+        "wall",
+        "code",
+    ]
     assert re.search(r"^\[\d+\]! +\d+ +1 +.* w\.tolist\(\); 1/0$", text, re.M)
-    assert "<table" in table._repr_html_() and "w = torch.ones(5, device=&#x27;rgpu&#x27;)" in table._repr_html_()
+    assert (
+        "<table" in table._repr_html_()
+        and "w = torch.ones(5, device=&#x27;rgpu&#x27;)" in table._repr_html_()
+    )
     connected.run_line_magic("rgpu", "stats")
     assert capsys.readouterr().out.strip() == text
     connected.run_line_magic("rgpu", "stats --clear")
@@ -350,10 +375,14 @@ def test_the_cell_that_loads_the_extension_is_counted_from_the_load(ip, server):
 def test_what_earlier_cells_left_queued_is_not_the_next_cells_cost(connected):
     acc = magics(connected).accounting
     acc.clear()
-    connected.run_cell("t = torch.ones(3, device='rgpu') * 2", cell_id="makes-garbage")  # ones is freed
+    connected.run_cell(
+        "t = torch.ones(3, device='rgpu') * 2", cell_id="makes-garbage"
+    )  # ones is freed
     connected.run_cell("t.sum().item()", cell_id="reads")
     assert acc.history["makes-garbage"].messages == 2  # ones, mul
-    assert acc.history["reads"].messages == 2  # sum, download; not the FREE of the first cell's ones
+    assert (
+        acc.history["reads"].messages == 2
+    )  # sum, download; not the FREE of the first cell's ones
     assert acc.history["reads"].waits == 1
 
 
@@ -370,5 +399,7 @@ def test_status_shows_a_pending_server_error_instead_of_raising_it(connected, ca
     connected.run_line_magic("rgpu", "status")
     out = capsys.readouterr().out
     assert re.search(r"^state +connected$", out, re.M)
-    assert re.search(r"^error +aten::gather\.default failed on the rgpu server: .*index 7", out, re.M), out
+    assert re.search(
+        r"^error +aten::gather\.default failed on the rgpu server: .*index 7", out, re.M
+    ), out
     torch.rgpu.synchronize()  # reported once

@@ -55,7 +55,14 @@ class FakeStats:
 
     def __init__(self):
         self.token = object()
-        self.values = {"messages": 0, "waits": 0, "bytes_out": 0, "bytes_in": 0, "frames": 0, "wait_seconds": 0.0}
+        self.values = {
+            "messages": 0,
+            "waits": 0,
+            "bytes_out": 0,
+            "bytes_in": 0,
+            "frames": 0,
+            "wait_seconds": 0.0,
+        }
         self.lock = threading.Lock()
 
     def add(self, **kw):

@@ -63,7 +63,10 @@ def test_unsendable_values_raise_encode_error():
 
 
 def test_batch_frame_numbers_messages_consecutively():
-    msgs = [ENC.encode([p.Kind.RUN, "add.Tensor", [p.Ref(1), 1], None, [2]]), ENC.encode([p.Kind.SYNC])]
+    msgs = [
+        ENC.encode([p.Kind.RUN, "add.Tensor", [p.Ref(1), 1], None, [2]]),
+        ENC.encode([p.Kind.SYNC]),
+    ]
     frame = p.batch_frame(41, msgs)
     reader = p.BatchReader(frame)
     assert reader.first_seq == 41
@@ -73,7 +76,9 @@ def test_batch_frame_numbers_messages_consecutively():
 
 
 def test_reply_and_chunk_frames_roundtrip():
-    seq, status, value = p.parse_reply(p.reply_frame(ENC.encode, 7, p.Status.ERROR, ["aten::mm", "boom"]))
+    seq, status, value = p.parse_reply(
+        p.reply_frame(ENC.encode, 7, p.Status.ERROR, ["aten::mm", "boom"])
+    )
     assert (seq, status, value) == (7, p.Status.ERROR, ["aten::mm", "boom"])
     parts = p.chunk_frame(p.Frame.CHUNK, 9, 4096, b"abc")
     seq, off, payload = p.parse_chunk(b"".join(parts))
@@ -123,7 +128,16 @@ def test_oversized_frames_and_chunks_are_refused():
 
 @pytest.mark.parametrize(
     "frame",
-    [b"", b"\x01", b"\x01\xc1", b"\x01\x00", b"\x01\xa3abc", b"\x01\x01\x92", b"\x01\x01\xa1x", b"\x01\x01\xc0"],
+    [
+        b"",
+        b"\x01",
+        b"\x01\xc1",
+        b"\x01\x00",
+        b"\x01\xa3abc",
+        b"\x01\x01\x92",
+        b"\x01\x01\xa1x",
+        b"\x01\x01\xc0",
+    ],
 )
 def test_malformed_batches_raise_protocol_errors(frame):
     with pytest.raises(p.ProtocolError):
@@ -137,7 +151,9 @@ def test_malformed_batches_raise_protocol_errors(frame):
         msgpack.ExtType(p.codec.EXT_DTYPE, b""),
         msgpack.ExtType(p.codec.EXT_REF, b"123"),
         msgpack.ExtType(p.codec.EXT_HOST, b"\x01"),
-        msgpack.ExtType(p.codec.EXT_HOST, b"\x01\x01" + (3).to_bytes(8, "little", signed=True) + b"\x00" * 11),
+        msgpack.ExtType(
+            p.codec.EXT_HOST, b"\x01\x01" + (3).to_bytes(8, "little", signed=True) + b"\x00" * 11
+        ),
         msgpack.ExtType(p.codec.EXT_HOST, b"\x01\x01" + (-1).to_bytes(8, "little", signed=True)),
         msgpack.ExtType(p.codec.EXT_META, b"\x01\x05\x00"),
         msgpack.ExtType(p.codec.EXT_COMPLEX, b"\x00" * 15),

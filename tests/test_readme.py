@@ -25,7 +25,9 @@ def test_readme_demo_runs_on_the_embedded_server():
     demo_cmd = next(b.strip() for b in _bash_blocks() if "rgpu.demo" in b)
     assert demo_cmd.endswith("python -m rgpu.demo")
     env = {k: v for k, v in os.environ.items() if k != "RGPU_SERVER"}
-    out = subprocess.run([sys.executable, "-m", "rgpu.demo"], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "rgpu.demo"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert "(x * 2).sum().item() = 8.0" in out.stdout
     assert "1000 ops then one .item() -> 16000.0" in out.stdout and "1 wait" in out.stdout

@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from fault_proxy import FaultProxy
+from rgpu_test_servers import ServerProcess
 
 import rgpu
-from fault_proxy import FaultProxy
 from rgpu.models import seed_mlp
-from rgpu_test_servers import ServerProcess
 
 
 def mlp_losses(steps: int, cut: callable = None) -> list[float]:
@@ -187,14 +187,22 @@ def test_sigterm_finishes_in_flight_work_then_says_going_away():
             except rgpu.ConnectionLost as e:
                 print("lost:", e, flush=True)
         """
-        client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert client.stdout.readline().strip() == "queued"
         time.sleep(0.3)
         srv.proc.send_signal(signal.SIGTERM)
         out, err = client.communicate(timeout=120)
         lines = out.splitlines()
         float(lines[0])  # the work sent before the SIGTERM completed and its result arrived
-        assert lines[1].startswith("lost: the rgpu server at ") and "shut down" in lines[1], (out, err)
+        assert lines[1].startswith("lost: the rgpu server at ") and "shut down" in lines[1], (
+            out,
+            err,
+        )
         assert srv.proc.wait(timeout=60) == 0
         assert "rgpu-server stopped" in srv.log()
     finally:
@@ -213,7 +221,13 @@ def test_replay_buffer_is_bounded_by_flow_control(server, proxied):
             peak = max(peak, session._replay.bytes)
         print(x.sum().item(), peak)
     """
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     total, peak = out.stdout.split()
     assert float(total) == 3000 * 8

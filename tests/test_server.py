@@ -12,16 +12,19 @@ import time
 
 import pytest
 import torch
+from rgpu_test_servers import ServerProcess
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 import rgpu
 from rgpu import protocol as p
-from rgpu_test_servers import ServerProcess
 
 AUTH = {"Authorization": f"Bearer {os.environ['RGPU_TOKEN']}"}
 
 
-def run_client(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_client(
+    code: str, env: dict | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
@@ -32,7 +35,9 @@ def run_client(code: str, env: dict | None = None, timeout: float = 120) -> subp
 
 
 def test_cli_help_and_version():
-    out = subprocess.run([sys.executable, "-m", "rgpu_server", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "rgpu_server", "--help"], capture_output=True, text=True, check=True
+    )
     for flag in ("--host", "--port", "--device", "--log-level"):
         assert flag in out.stdout
     out = subprocess.run(["rgpu-server", "--version"], capture_output=True, text=True, check=True)
@@ -41,13 +46,19 @@ def test_cli_help_and_version():
 
 @pytest.mark.parametrize(
     "device, message",
-    [("tpu", "must be cpu, cuda, cuda:N or mps"), ("cuda", "no CUDA GPU"), ("nonsense:x", "must be cpu, cuda, cuda:N or mps")],
+    [
+        ("tpu", "must be cpu, cuda, cuda:N or mps"),
+        ("cuda", "no CUDA GPU"),
+        ("nonsense:x", "must be cpu, cuda, cuda:N or mps"),
+    ],
 )
 def test_bad_device_is_a_clear_error(device, message):
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("this host has a GPU")
     out = subprocess.run(
-        [sys.executable, "-m", "rgpu_server", "--device", device, "--port", "0"], capture_output=True, text=True
+        [sys.executable, "-m", "rgpu_server", "--device", device, "--port", "0"],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode != 0
     assert message in out.stderr
@@ -57,7 +68,9 @@ def test_bad_device_is_a_clear_error(device, message):
 def test_port_in_use_is_a_clear_error(server):
     port = server.url.rsplit(":", 1)[1]
     out = subprocess.run(
-        [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", port], capture_output=True, text=True
+        [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", port],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
@@ -83,7 +96,9 @@ def test_logs_startup_and_sessions_but_not_ops():
             time.sleep(0.05)
         log = srv.log()
         assert re.search(r"listening on ws://127\.0\.0\.1:\d+ \(device cpu", log)
-        assert re.search(r"session \w+ started for 127\.0\.0\.1:\d+ \(rgpu [\d.]+, torch 2\.\d+", log)
+        assert re.search(
+            r"session \w+ started for 127\.0\.0\.1:\d+ \(rgpu [\d.]+, torch 2\.\d+", log
+        )
         assert re.search(r"session \w+ ended for 127\.0\.0\.1:\d+ after \d+ ops", log)
         assert len(log.splitlines()) <= 4  # nothing per op
     finally:
@@ -130,20 +145,29 @@ def test_hostile_frames_close_only_that_connection(dev, server):
 
 
 def _hostile_exchange(raw) -> None:
-    raw.send(p.hello_frame({"protocol": p.PROTOCOL_VERSION, "torch": torch.__version__, "client": "fuzz"}))
+    raw.send(
+        p.hello_frame(
+            {"protocol": p.PROTOCOL_VERSION, "torch": torch.__version__, "client": "fuzz"}
+        )
+    )
     assert p.frame_kind(raw.recv(timeout=10)) == p.Frame.WELCOME
     raw.send(b"\x01\xff\xff garbage")
     seq, status, value = p.parse_reply(raw.recv(timeout=10))
     assert (seq, status) == (0, p.Status.PROTOCOL)
     assert "sequence number" in value or "malformed" in value
-    with pytest.raises(Exception):
+    with pytest.raises(ConnectionClosed):
         raw.recv(timeout=10)
     assert raw.close_code == p.CloseCode.PROTOCOL_ERROR
 
 
 @pytest.mark.parametrize(
     "first",
-    [b"GET / HTTP/1.1", b"\x20\xc1", p.hello_frame({"protocol": 999, "torch": "2.13.0"}), "text frame"],
+    [
+        b"GET / HTTP/1.1",
+        b"\x20\xc1",
+        p.hello_frame({"protocol": 999, "torch": "2.13.0"}),
+        "text frame",
+    ],
 )
 def test_bad_handshakes_are_refused(server, first):
     with ws_connect(server.url, compression=None, additional_headers=AUTH) as raw:
@@ -153,7 +177,7 @@ def test_bad_handshakes_are_refused(server, first):
             assert p.parse_handshake(reply, p.Frame.WELCOME)["refused"] == "protocol"
         except Exception:
             pass
-        with pytest.raises(Exception):
+        with pytest.raises(ConnectionClosed):
             raw.recv(timeout=10)
         assert raw.close_code in (p.CloseCode.BAD_HELLO, p.CloseCode.VERSION_MISMATCH)
 
@@ -200,7 +224,13 @@ def test_embedded_server_starts_on_first_use_and_stops_with_the_client():
         print((x * 2).sum().item())
         print(rgpu.current.get().local_process.process.pid, flush=True)
     """
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     value, pid = out.stdout.split()
     assert value == "8.0"
@@ -217,7 +247,13 @@ def test_embedded_server_dies_with_a_killed_client():
         print(rgpu.current.get().local_process.process.pid, flush=True)
         time.sleep(600)
     """
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     pid = int(proc.stdout.readline())
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

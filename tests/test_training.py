@@ -8,7 +8,6 @@ tolerances are stated per rung.
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
@@ -25,9 +24,13 @@ def twin(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def assert_params_close(remote: nn.Module, local: nn.Module, tol: float) -> None:
     for (name, r), c in zip(remote.named_parameters(), local.parameters()):
-        torch.testing.assert_close(r.detach().cpu(), c.detach(), rtol=tol, atol=tol, msg=f"parameter {name}")
+        torch.testing.assert_close(
+            r.detach().cpu(), c.detach(), rtol=tol, atol=tol, msg=f"parameter {name}"
+        )
         if c.grad is not None:
-            torch.testing.assert_close(r.grad.cpu(), c.grad, rtol=tol, atol=tol, msg=f"gradient of {name}")
+            torch.testing.assert_close(
+                r.grad.cpu(), c.grad, rtol=tol, atol=tol, msg=f"gradient of {name}"
+            )
     for (name, r), c in zip(remote.named_buffers(), local.buffers()):
         torch.testing.assert_close(r.cpu(), c, rtol=tol, atol=tol, msg=f"buffer {name}")
 
@@ -48,7 +51,10 @@ def test_seed_mlp_matches_cpu(dev):
     torch.manual_seed(0)
     cpu, remote = twin(seed_mlp())
     x, target = torch.randn(64, 16), torch.randn(64, 1)
-    oc, orr = torch.optim.SGD(cpu.parameters(), lr=0.01), torch.optim.SGD(remote.parameters(), lr=0.01)
+    oc, orr = (
+        torch.optim.SGD(cpu.parameters(), lr=0.01),
+        torch.optim.SGD(remote.parameters(), lr=0.01),
+    )
     mse = lambda out, t: (out - t).square().mean()  # noqa: E731
     lc = train(cpu, oc, [(x, target)] * 20, mse, "cpu")
     lr = train(remote, orr, [(x, target)] * 20, mse, dev)
@@ -61,7 +67,10 @@ def test_cnn_with_batchnorm_and_pooling_matches_cpu(dev, channels_last):
     torch.manual_seed(1)
     cpu, remote = twin(SmallCNN(channels_last=channels_last))
     g = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(4)]
+    batches = [
+        (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+        for _ in range(4)
+    ]
     oc = torch.optim.SGD(cpu.parameters(), lr=0.05, momentum=0.9)
     orr = torch.optim.SGD(remote.parameters(), lr=0.05, momentum=0.9)
     lc = train(cpu, oc, batches, F.cross_entropy, "cpu")
@@ -97,8 +106,13 @@ def test_lstm_and_gru_match_cpu(dev):
     torch.manual_seed(5)
     cpu, remote = twin(LSTMRegressor())
     g = torch.Generator().manual_seed(6)
-    batches = [(torch.randn(4, 7, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
-    oc, orr = torch.optim.Adam(cpu.parameters(), lr=1e-2), torch.optim.Adam(remote.parameters(), lr=1e-2)
+    batches = [
+        (torch.randn(4, 7, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)
+    ]
+    oc, orr = (
+        torch.optim.Adam(cpu.parameters(), lr=1e-2),
+        torch.optim.Adam(remote.parameters(), lr=1e-2),
+    )
     lc = train(cpu, oc, batches, F.mse_loss, "cpu")
     lr = train(remote, orr, batches, F.mse_loss, dev)
     torch.testing.assert_close(torch.tensor(lr), torch.tensor(lc), rtol=1e-5, atol=1e-5)
@@ -216,10 +230,19 @@ def test_autograd_features(dev):
         (lambda: nn.GroupNorm(2, 6), lambda g: torch.randn(3, 6, 5, generator=g)),
         (lambda: nn.LayerNorm(7), lambda g: torch.randn(3, 7, generator=g)),
         (lambda: nn.Embedding(10, 4), lambda g: torch.randint(0, 10, (3, 5), generator=g)),
-        (lambda: nn.MultiheadAttention(8, 2, batch_first=True), lambda g: torch.randn(2, 5, 8, generator=g)),
-        (lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), lambda g: torch.randn(2, 5, 8, generator=g)),
+        (
+            lambda: nn.MultiheadAttention(8, 2, batch_first=True),
+            lambda g: torch.randn(2, 5, 8, generator=g),
+        ),
+        (
+            lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+            lambda g: torch.randn(2, 5, 8, generator=g),
+        ),
         (lambda: nn.GRU(4, 6), lambda g: torch.randn(5, 2, 4, generator=g)),
-        (lambda: nn.AvgPool2d(2), lambda g: torch.randn(1, 2, 6, 6, generator=g, requires_grad=True)),
+        (
+            lambda: nn.AvgPool2d(2),
+            lambda g: torch.randn(1, 2, 6, 6, generator=g, requires_grad=True),
+        ),
         (lambda: nn.BatchNorm1d(5).eval(), lambda g: torch.randn(4, 5, generator=g)),
     ],
 )
@@ -245,7 +268,9 @@ def test_modules_forward_and_backward_match_cpu(dev, make_module, make_input):
 def test_classification_losses(dev, loss_fn):
     logits = torch.randn(6, 5).log_softmax(-1)
     target = torch.tensor([0, 4, 2, 2, 1, 3])
-    torch.testing.assert_close(loss_fn(logits.to(dev), target.to(dev)).cpu(), loss_fn(logits, target))
+    torch.testing.assert_close(
+        loss_fn(logits.to(dev), target.to(dev)).cpu(), loss_fn(logits, target)
+    )
 
 
 def test_optimizers_schedulers_and_zero_grad_both_ways(dev):

@@ -9,8 +9,9 @@ different torch releases agree on them.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import torch
@@ -105,7 +106,9 @@ def ref_ext(tensor_id: int) -> msgpack.ExtType:
     return _ext(EXT_REF, _U64.pack(tensor_id))
 
 
-def view_ext(base_id: int, shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> msgpack.ExtType:
+def view_ext(
+    base_id: int, shape: tuple[int, ...], stride: tuple[int, ...], offset: int
+) -> msgpack.ExtType:
     """A tensor that is `base.as_strided(shape, stride, offset)`: a view the server never stored."""
     n = len(shape)
     return _ext(EXT_VIEW, struct.pack(f"<QB{2 * n + 1}q", base_id, n, *shape, *stride, offset))
@@ -138,7 +141,9 @@ def itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
-def host_ext(dtype: torch.dtype, shape: tuple[int, ...], data: bytes | memoryview) -> msgpack.ExtType:
+def host_ext(
+    dtype: torch.dtype, shape: tuple[int, ...], data: bytes | memoryview
+) -> msgpack.ExtType:
     code = DTYPE_TO_CODE.get(dtype)
     if code is None:
         raise EncodeError(f"rgpu cannot send tensors of dtype {dtype}")
@@ -224,7 +229,9 @@ def decode_meta(data: bytes) -> TensorMeta:
     if n > MAX_NDIM or len(data) != 3 + 8 * (2 * n + 1):
         raise ProtocolError("tensor metadata has the wrong length")
     vals = struct.unpack_from(f"<{2 * n + 1}q", data, 3)
-    return TensorMeta(dtype, vals[:n], vals[n : 2 * n], vals[2 * n], bool(flags & 1), bool(flags & 2))
+    return TensorMeta(
+        dtype, vals[:n], vals[n : 2 * n], vals[2 * n], bool(flags & 1), bool(flags & 2)
+    )
 
 
 def decode_simple_ext(code: int, data: bytes) -> Any:
@@ -323,10 +330,14 @@ def check_depth(obj: Any, limit: int) -> None:
                 check_depth(x, limit - 1)
 
 
-def unpack_one(data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS, ext_hook=default_ext_hook) -> Any:
+def unpack_one(
+    data: bytes | memoryview, limits: Limits = DEFAULT_LIMITS, ext_hook=default_ext_hook
+) -> Any:
     """Decode exactly one msgpack value (no trailing bytes) under limits."""
     if len(data) > limits.max_message:
-        raise LimitExceeded(f"message of {len(data)} bytes exceeds the limit of {limits.max_message}")
+        raise LimitExceeded(
+            f"message of {len(data)} bytes exceeds the limit of {limits.max_message}"
+        )
     try:
         value = msgpack.unpackb(
             data,

@@ -123,7 +123,9 @@ class BatchReader:
 
     def __init__(self, frame: bytes, limits: Limits = DEFAULT_LIMITS, ext_hook=default_ext_hook):
         if len(frame) > limits.max_message:
-            raise LimitExceeded(f"frame of {len(frame)} bytes exceeds the limit of {limits.max_message}")
+            raise LimitExceeded(
+                f"frame of {len(frame)} bytes exceeds the limit of {limits.max_message}"
+            )
         if not frame or frame[0] != Frame.BATCH:
             raise ProtocolError("not a BATCH frame")
         self._limits = limits
@@ -168,12 +170,16 @@ def chunk_frame(kind: Frame, seq: int, offset: int, data: bytes | memoryview) ->
     return [bytes((kind,)) + _SEQ_OFF.pack(seq, offset), data]
 
 
-def parse_chunk(frame: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int, memoryview]:
+def parse_chunk(
+    frame: bytes | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[int, int, memoryview]:
     """Split a CHUNK/DATA frame into (seq, offset, payload view)."""
     if len(frame) < 17:
         raise ProtocolError("chunk frame is truncated")
     if len(frame) - 17 > limits.max_chunk:
-        raise LimitExceeded(f"chunk of {len(frame) - 17} bytes exceeds the limit of {limits.max_chunk}")
+        raise LimitExceeded(
+            f"chunk of {len(frame) - 17} bytes exceeds the limit of {limits.max_chunk}"
+        )
     seq, offset = _SEQ_OFF.unpack_from(frame, 1)
     return seq, offset, memoryview(frame)[17:]
 
@@ -186,7 +192,9 @@ def reply_frame(packer_pack, seq: int, status: Status, value: Any) -> bytes:
     return _REPLY + packer_pack([seq, int(status), value])
 
 
-def parse_reply(frame: bytes, limits: Limits = DEFAULT_LIMITS, ext_hook=default_ext_hook) -> tuple[int, Status, Any]:
+def parse_reply(
+    frame: bytes, limits: Limits = DEFAULT_LIMITS, ext_hook=default_ext_hook
+) -> tuple[int, Status, Any]:
     value = unpack_one(memoryview(frame)[1:], limits, ext_hook)
     if type(value) is not list or len(value) != 3 or type(value[0]) is not int:
         raise ProtocolError("a reply must be [seq, status, value]")

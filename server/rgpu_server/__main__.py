@@ -27,19 +27,60 @@ def build_parser() -> argparse.ArgumentParser:
         "start-up as a ready-to-paste URL.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=9720, help="port to listen on; 0 picks a free one (default 9720)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level (default INFO)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=9720,
+        help="port to listen on; 0 picks a free one (default 9720)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default INFO)",
+    )
     auth = p.add_argument_group("security")
-    auth.add_argument("--token", default=None, help="the token clients must send (default: RGPU_TOKEN, else a random one)")
-    auth.add_argument("--no-token", action="store_true", help="accept clients without a token (only on a loopback address)")
-    auth.add_argument("--certfile", default=None, help="TLS certificate (PEM): serve wss:// instead of ws://")
+    auth.add_argument(
+        "--token",
+        default=None,
+        help="the token clients must send (default: RGPU_TOKEN, else a random one)",
+    )
+    auth.add_argument(
+        "--no-token",
+        action="store_true",
+        help="accept clients without a token (only on a loopback address)",
+    )
+    auth.add_argument(
+        "--certfile", default=None, help="TLS certificate (PEM): serve wss:// instead of ws://"
+    )
     auth.add_argument("--keyfile", default=None, help="TLS private key (PEM) for --certfile")
     lim = p.add_argument_group("limits")
-    lim.add_argument("--session-grace", type=float, default=120.0, help="seconds a session waits for its client to reconnect (default 120)")
-    lim.add_argument("--max-sessions", type=int, default=64, help="sessions served at once (default 64)")
-    lim.add_argument("--session-quota-mb", type=int, default=None, help="tensor memory one session may hold, in MiB (default: no limit)")
-    lim.add_argument("--max-message-mb", type=int, default=DEFAULT_LIMITS.max_message >> 20, help="largest websocket message accepted, in MiB (default %(default)s)")
+    lim.add_argument(
+        "--session-grace",
+        type=float,
+        default=120.0,
+        help="seconds a session waits for its client to reconnect (default 120)",
+    )
+    lim.add_argument(
+        "--max-sessions", type=int, default=64, help="sessions served at once (default 64)"
+    )
+    lim.add_argument(
+        "--session-quota-mb",
+        type=int,
+        default=None,
+        help="tensor memory one session may hold, in MiB (default: no limit)",
+    )
+    lim.add_argument(
+        "--max-message-mb",
+        type=int,
+        default=DEFAULT_LIMITS.max_message >> 20,
+        help="largest websocket message accepted, in MiB (default %(default)s)",
+    )
     p.add_argument("--version", action="version", version=f"rgpu-server {__version__}")
     # for the embedded server a client starts: read the token from stdin, print the URL on stdout,
     # exit when stdin closes
@@ -66,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # websockets logs every connection at INFO; our own session lines say it better
-    logging.getLogger("websockets").setLevel(logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING)
+    logging.getLogger("websockets").setLevel(
+        logging.DEBUG if args.log_level == "DEBUG" else logging.WARNING
+    )
     log = logging.getLogger("rgpu_server")
     if bool(args.certfile) != bool(args.keyfile):
         print("rgpu-server: --certfile and --keyfile go together", file=sys.stderr)
@@ -106,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_ready(srv: RgpuServer) -> None:
         if generated:
-            log.info("clients connect with:  rgpu.connect(\"%s/?token=%s\")", srv.url, token)
+            log.info('clients connect with:  rgpu.connect("%s/?token=%s")', srv.url, token)
         elif token is None:
             log.warning("no token: any process that can reach %s can use this GPU", srv.url)
         if args.announce:
@@ -136,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(run())
     except OSError as e:
-        print(f"rgpu-server: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(
+            f"rgpu-server: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         pass

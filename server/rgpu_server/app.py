@@ -66,11 +66,15 @@ def pick_device(spec: str | None) -> torch.device:
         raise SystemExit(f"rgpu-server: --device must be cpu, cuda, cuda:N or mps, not {spec!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise SystemExit("rgpu-server: --device cuda was asked for, but this torch sees no CUDA GPU")
+            raise SystemExit(
+                "rgpu-server: --device cuda was asked for, but this torch sees no CUDA GPU"
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.index >= torch.cuda.device_count():
-            raise SystemExit(f"rgpu-server: {device} does not exist; this host has {torch.cuda.device_count()} GPU(s)")
+            raise SystemExit(
+                f"rgpu-server: {device} does not exist; this host has {torch.cuda.device_count()} GPU(s)"
+            )
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise SystemExit("rgpu-server: --device mps was asked for, but MPS is not available here")
     torch.empty(1, device=device)
@@ -137,7 +141,9 @@ class RgpuServer:
         header = request.headers.get("Authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
         if not hmac.compare_digest(given.encode(), token.encode()):
-            peer = "%s:%s" % connection.remote_address[:2] if connection.remote_address else "?"
+            peer = (
+                "{}:{}".format(*connection.remote_address[:2]) if connection.remote_address else "?"
+            )
             log.warning("refused %s: %s token", peer, "wrong" if given else "no")
             return connection.respond(
                 http.HTTPStatus.UNAUTHORIZED,
@@ -180,13 +186,17 @@ class RgpuServer:
     async def _shutdown(self, server) -> None:
         """Stop taking sessions, let in-flight work finish, then close with "going away"."""
         self._closing = True
-        log.info("rgpu-server stopping: finishing in-flight work of %d session(s)", len(self.sessions))
+        log.info(
+            "rgpu-server stopping: finishing in-flight work of %d session(s)", len(self.sessions)
+        )
         server.close(close_connections=False)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(not s.idle() for s in self.sessions.values()):
             await asyncio.sleep(0.05)
         for ws in list(self._connections):
-            await ws.close(CloseCode.GOING_AWAY, "rgpu-server is shutting down; its tensors are gone")
+            await ws.close(
+                CloseCode.GOING_AWAY, "rgpu-server is shutting down; its tensors are gone"
+            )
         sessions = list(self.sessions.values())
         for s in sessions:
             s.stop()
@@ -206,17 +216,23 @@ class RgpuServer:
             self._expired = [s for s in self._expired if s.alive()]
             now = time.monotonic()
             for sid, s in list(self.sessions.items()):
-                if s.ended or (s.detached_at is not None and now - s.detached_at > self.config.grace):
+                if s.ended or (
+                    s.detached_at is not None and now - s.detached_at > self.config.grace
+                ):
                     self.sessions.pop(sid, None)
                     s.stop()
                     self._expired.append(s)
                     if not s.ended:
-                        log.info("session %s expired after %.0f s without its client; its tensors are gone", s.hex, self.config.grace)
+                        log.info(
+                            "session %s expired after %.0f s without its client; its tensors are gone",
+                            s.hex,
+                            self.config.grace,
+                        )
 
     # -- one connection ------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        peer = "%s:%s" % ws.remote_address[:2] if ws.remote_address else "?"
+        peer = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
         try:
             first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
             if isinstance(first, str):
@@ -247,12 +263,28 @@ class RgpuServer:
         resumed = session is not None
         if not resumed:
             if len(self.sessions) >= self.config.max_sessions:
-                await ws.send(refuse_frame("full", f"the rgpu server already serves its maximum of {self.config.max_sessions} sessions"))
+                await ws.send(
+                    refuse_frame(
+                        "full",
+                        f"the rgpu server already serves its maximum of {self.config.max_sessions} sessions",
+                    )
+                )
                 await ws.close(CloseCode.GOING_AWAY, "too many sessions")
                 return
             if torch_major_minor(client_torch) != torch_major_minor(torch.__version__):
-                log.warning("client %s runs torch %s, this server torch %s", peer, client_torch, torch.__version__)
-            session = Session(secrets.token_bytes(16), self.config.device, self.config.limits, client=peer, quota=self.config.quota)
+                log.warning(
+                    "client %s runs torch %s, this server torch %s",
+                    peer,
+                    client_torch,
+                    torch.__version__,
+                )
+            session = Session(
+                secrets.token_bytes(16),
+                self.config.device,
+                self.config.limits,
+                client=peer,
+                quota=self.config.quota,
+            )
             self.sessions[session.id] = session
         loop = asyncio.get_running_loop()
 
@@ -283,7 +315,9 @@ class RgpuServer:
                     "device": str(self.config.device),
                     "device_name": device_name(self.config.device),
                     "max_message": self.config.limits.max_message,
-                    "max_chunk": min(self.config.limits.max_chunk, self.config.limits.max_message // 2),
+                    "max_chunk": min(
+                        self.config.limits.max_chunk, self.config.limits.max_message // 2
+                    ),
                 }
             )
         )
@@ -292,7 +326,13 @@ class RgpuServer:
         if resumed:
             log.info("session %s resumed by %s at message %d", session.hex, peer, session.last_seq)
         else:
-            log.info("session %s started for %s (%s, torch %s)", session.hex, peer, hello.get("client", "?"), client_torch)
+            log.info(
+                "session %s started for %s (%s, torch %s)",
+                session.hex,
+                peer,
+                hello.get("client", "?"),
+                client_torch,
+            )
         received = session.processed
         try:
             async for frame in ws:

@@ -41,7 +41,9 @@ def fused_lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
     gfg = gcx * cx
     gcg = gcx * ig
     grad_cx = gcx * fg
-    grad_gates = torch.cat([gig * (1 - ig) * ig, gfg * (1 - fg) * fg, gcg * (1 - cg * cg), gog * (1 - og) * og], dim=1)
+    grad_gates = torch.cat(
+        [gig * (1 - ig) * ig, gfg * (1 - fg) * fg, gcg * (1 - cg * cg), gog * (1 - og) * og], dim=1
+    )
     grad_bias = grad_gates.sum(0) if has_bias else None
     return grad_gates, grad_cx, grad_bias
 
@@ -71,7 +73,13 @@ def fused_gru_cell_backward(grad_hy, workspace, has_bias):
     grad_input_gates = torch.cat([grg, gig, gin], dim=1)
     grad_hidden_gates = torch.cat([grg, gig, ghn], dim=1)
     if has_bias:
-        return grad_input_gates, grad_hidden_gates, ghx, grad_input_gates.sum(0), grad_hidden_gates.sum(0)
+        return (
+            grad_input_gates,
+            grad_hidden_gates,
+            ghx,
+            grad_input_gates.sum(0),
+            grad_hidden_gates.sum(0),
+        )
     return grad_input_gates, grad_hidden_gates, ghx, None, None
 
 

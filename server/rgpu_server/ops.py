@@ -72,7 +72,9 @@ def resolve(name: str) -> ResolvedOp:
         raise OpRefused(f"aten::{name} is not allowed on an rgpu server: it {why}")
     if name in SUBSTITUTES:
         sub = resolve(SUBSTITUTES[name])
-        resolved = ResolvedOp(sub.op, f"aten::{name}", sub.takes_generator, sub.seeded, sub.writes, sub.factory)
+        resolved = ResolvedOp(
+            sub.op, f"aten::{name}", sub.takes_generator, sub.seeded, sub.writes, sub.factory
+        )
         _cache[name] = resolved
         return resolved
     packet = getattr(torch.ops.aten, base, None)
@@ -91,7 +93,9 @@ def resolve(name: str) -> ResolvedOp:
         if a.alias_info is not None and a.alias_info.is_write
     )
     args = op._schema.arguments
-    factory = any(a.name == "device" for a in args) and not any("Tensor" in str(a.type) for a in args)
+    factory = any(a.name == "device" for a in args) and not any(
+        "Tensor" in str(a.type) for a in args
+    )
     resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded, writes, factory)
     _cache[name] = resolved
     return resolved

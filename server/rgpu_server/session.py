@@ -47,7 +47,9 @@ from .ops import OpRefused, resolve
 
 log = logging.getLogger("rgpu_server")
 
-DEFAULT_SEED = 67280421310721  # torch's own default seed, so a fresh session acts like a fresh process
+DEFAULT_SEED = (
+    67280421310721  # torch's own default seed, so a fresh session acts like a fresh process
+)
 INLINE_DOWNLOAD = 1 << 20  # downloads up to this size ride inside the REPLY
 DOWNLOAD_CHUNK = 4 << 20
 MAX_DYNAMIC_OUTPUTS = 4096  # the client reserves this many ids for one RUN_DYN
@@ -129,7 +131,12 @@ class Session:
     """Tensors, errors and RNG of one client, and the thread that executes its messages."""
 
     def __init__(
-        self, sid: bytes, device: torch.device, limits: Limits, client: str = "?", quota: int | None = None
+        self,
+        sid: bytes,
+        device: torch.device,
+        limits: Limits,
+        client: str = "?",
+        quota: int | None = None,
     ) -> None:
         self.id = sid
         self.hex = sid.hex()[:8]
@@ -167,7 +174,9 @@ class Session:
         self._bad: Any = None  # first missing id or Poison met while decoding the current message
         self._refs: dict[int, int] = {}  # id() of each tensor the current message names -> its id
         self._keep: list = []  # views built for the current message (their id()s stay valid)
-        self._worker = threading.Thread(target=self._run, name=f"rgpu-session-{self.hex}", daemon=True)
+        self._worker = threading.Thread(
+            target=self._run, name=f"rgpu-session-{self.hex}", daemon=True
+        )
         self._worker.start()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -349,7 +358,9 @@ class Session:
                 self._execute(seq, msg)
                 self.last_seq = seq
             elif msg[0] == Kind.UPLOAD and len(msg) == 3 and type(msg[2]) is list:
-                self._receive_chunks(seq, msg[2])  # a replayed upload: drain its chunks, apply nothing
+                self._receive_chunks(
+                    seq, msg[2]
+                )  # a replayed upload: drain its chunks, apply nothing
             elif msg[0] in WAITED:
                 self._resend_reply(seq)  # its reply was lost with the old connection
             seq += 1
@@ -427,12 +438,18 @@ class Session:
 
     def _poison_from_bad(self, label: str, outs) -> None:
         bad = self._bad
-        if type(bad) is Poison:  # consuming a poisoned tensor: pass the same poison on, no new error
+        if (
+            type(bad) is Poison
+        ):  # consuming a poisoned tensor: pass the same poison on, no new error
             for i in outs:
                 if i is not None:
                     self.tensors[i] = bad
         else:
-            self._fail(label, f"KeyError: no tensor with id {bad} in this session (freed, or never created)", outs)
+            self._fail(
+                label,
+                f"KeyError: no tensor with id {bad} in this session (freed, or never created)",
+                outs,
+            )
 
     def _error_pending(self, seq: int) -> bool:
         """Waited messages report a pending streamed failure instead of running."""
@@ -466,7 +483,11 @@ class Session:
         if len(msg) < 5:
             raise ProtocolError("RUN takes op, args, kwargs, out_ids")
         name, args, kwargs, outs = msg[1], msg[2], msg[3], msg[4]
-        if type(args) is not list or (kwargs is not None and type(kwargs) is not dict) or type(outs) is not list:
+        if (
+            type(args) is not list
+            or (kwargs is not None and type(kwargs) is not dict)
+            or type(outs) is not list
+        ):
             raise ProtocolError("RUN fields have the wrong types")
         try:
             resolved = resolve(name)
@@ -474,7 +495,9 @@ class Session:
             self._fail(f"aten::{name}", f"OpRefused: {e}", outs)
             return
         if self._bad is not None:
-            self._poison_from_bad(resolved.label, [*outs, *self._written_ids(resolved, args, kwargs)])
+            self._poison_from_bad(
+                resolved.label, [*outs, *self._written_ids(resolved, args, kwargs)]
+            )
             return
         if self.quota is not None and resolved.factory:
             need = self._factory_bytes(resolved, args, kwargs)
@@ -484,7 +507,9 @@ class Session:
         try:
             result = self._call(resolved, args, kwargs)
         except Exception as e:
-            self._fail(resolved.label, _describe(e), [*outs, *self._written_ids(resolved, args, kwargs)])
+            self._fail(
+                resolved.label, _describe(e), [*outs, *self._written_ids(resolved, args, kwargs)]
+            )
             return
         self.ops_run += 1
         if not outs:
@@ -494,7 +519,11 @@ class Session:
         else:
             flat = _flatten(result)
             if len(flat) != len(outs):
-                self._fail(resolved.label, f"op returned {len(flat)} values, client expected {len(outs)}", outs)
+                self._fail(
+                    resolved.label,
+                    f"op returned {len(flat)} values, client expected {len(outs)}",
+                    outs,
+                )
                 return
         if len(msg) > 5 and msg[5] is not None:
             flat = self._check_expected(resolved.label, flat, msg[5], outs)
@@ -508,7 +537,9 @@ class Session:
                 if isinstance(v, torch.Tensor):
                     tensors[i] = v
                 elif v is not None:  # None: an undefined optional output (e.g. a masked-out grad)
-                    self._fail(resolved.label, f"expected a tensor output, got {type(v).__name__}", outs)
+                    self._fail(
+                        resolved.label, f"expected a tensor output, got {type(v).__name__}", outs
+                    )
                     return
         if self.quota is not None:
             self._charge(resolved.label, outs)
@@ -526,7 +557,9 @@ class Session:
             if v.dtype == e.dtype and v.numel() == 0 and tuple(v.shape) != tuple(e.shape):
                 # e.g. batch norm's save_mean in eval mode: the real kernel returns an empty
                 # tensor where the meta kernel (and CUDA) return one of size C; nothing reads it
-                fixed[k] = torch.zeros(e.shape, dtype=e.dtype, device=v.device).as_strided(e.shape, e.stride)
+                fixed[k] = torch.zeros(e.shape, dtype=e.dtype, device=v.device).as_strided(
+                    e.shape, e.stride
+                )
                 self.conformed += 1
                 continue
             if v.dtype != e.dtype or tuple(v.shape) != tuple(e.shape):
@@ -553,7 +586,11 @@ class Session:
 
     def _run_dyn(self, seq: int, msg: list) -> None:
         """An op whose output shapes only the data can tell: run now, answer with metadata."""
-        if len(msg) != 5 or type(msg[2]) is not list or (msg[3] is not None and type(msg[3]) is not dict):
+        if (
+            len(msg) != 5
+            or type(msg[2]) is not list
+            or (msg[3] is not None and type(msg[3]) is not dict)
+        ):
             raise ProtocolError("RUN_DYN takes op, args, kwargs, first_id")
         name, args, kwargs, first_id = msg[1], msg[2], msg[3], msg[4]
         if type(first_id) is not int or first_id < 1:
@@ -570,7 +607,11 @@ class Session:
             if type(bad) is Poison:
                 self._reply(seq, Status.ERROR, [bad.label, bad.message])
             else:
-                self._reply(seq, Status.ERROR, [resolved.label, f"KeyError: no tensor with id {bad} in this session"])
+                self._reply(
+                    seq,
+                    Status.ERROR,
+                    [resolved.label, f"KeyError: no tensor with id {bad} in this session"],
+                )
             return
         try:
             result = self._call(resolved, args, kwargs)
@@ -585,11 +626,25 @@ class Session:
         next_id = first_id
         flat = _flatten(result)
         if len(flat) > MAX_DYNAMIC_OUTPUTS:
-            self._reply(seq, Status.ERROR, [resolved.label, f"returned {len(flat)} values; at most {MAX_DYNAMIC_OUTPUTS} are supported"])
+            self._reply(
+                seq,
+                Status.ERROR,
+                [
+                    resolved.label,
+                    f"returned {len(flat)} values; at most {MAX_DYNAMIC_OUTPUTS} are supported",
+                ],
+            )
             return
         for v in flat:
             if isinstance(v, torch.Tensor) and v.layout != torch.strided:
-                self._reply(seq, Status.ERROR, [resolved.label, f"produced a {v.layout} tensor; rgpu supports dense (strided) tensors only"])
+                self._reply(
+                    seq,
+                    Status.ERROR,
+                    [
+                        resolved.label,
+                        f"produced a {v.layout} tensor; rgpu supports dense (strided) tensors only",
+                    ],
+                )
                 return
         stored = []
         for v in flat:
@@ -598,7 +653,14 @@ class Session:
                 stored.append(next_id)
                 next_id += 1
                 values.append(
-                    TensorMeta(v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.is_conj(), v.is_neg())
+                    TensorMeta(
+                        v.dtype,
+                        tuple(v.shape),
+                        v.stride(),
+                        v.storage_offset(),
+                        v.is_conj(),
+                        v.is_neg(),
+                    )
                 )
             elif v is None or type(v) in (bool, int, float, complex, str, torch.dtype):
                 values.append(v)
@@ -678,7 +740,9 @@ class Session:
             out = resolved.op(*args, **meta_kwargs)
         except Exception:
             return 0  # the real call will fail with the real error
-        return sum(t.numel() * t.element_size() for t in _flatten(out) if isinstance(t, torch.Tensor))
+        return sum(
+            t.numel() * t.element_size() for t in _flatten(out) if isinstance(t, torch.Tensor)
+        )
 
     # -- transfers ---------------------------------------------------------------------------
 
@@ -690,7 +754,9 @@ class Session:
             try:
                 host = self._receive_chunks(seq, data)
             except UploadAborted:
-                poison = Poison("upload", "the upload was interrupted on the client; this tensor holds no data")
+                poison = Poison(
+                    "upload", "the upload was interrupted on the client; this tensor holds no data"
+                )
                 if isinstance(dst, torch.Tensor) and id(dst) in self._refs:
                     self.tensors[self._refs[id(dst)]] = poison
                 return
@@ -722,7 +788,9 @@ class Session:
                 raise ProtocolError("chunked UPLOAD shape must be non-negative integers")
             numel *= s
         if nbytes != numel * dtype.itemsize:
-            raise ProtocolError(f"chunked UPLOAD announces {nbytes} bytes for shape {shape} of {dtype}")
+            raise ProtocolError(
+                f"chunked UPLOAD announces {nbytes} bytes for shape {shape} of {dtype}"
+            )
         buf = bytearray(nbytes)
         view = memoryview(buf)
         got = 0
@@ -740,7 +808,9 @@ class Session:
             if offset == ABORT_OFFSET and cseq == seq:
                 raise UploadAborted()
             if cseq != seq or offset != got or got + len(payload) > nbytes or not payload:
-                raise ProtocolError(f"CHUNK for seq {cseq} at offset {offset} does not continue UPLOAD {seq}")
+                raise ProtocolError(
+                    f"CHUNK for seq {cseq} at offset {offset} does not continue UPLOAD {seq}"
+                )
             view[got : got + len(payload)] = payload
             got += len(payload)
         if nbytes == 0:
@@ -758,7 +828,14 @@ class Session:
             if type(bad) is Poison:
                 self._reply(seq, Status.ERROR, [bad.label, bad.message])
             else:
-                self._reply(seq, Status.ERROR, [f"download of tensor {bad}", f"KeyError: no tensor with id {bad} in this session"])
+                self._reply(
+                    seq,
+                    Status.ERROR,
+                    [
+                        f"download of tensor {bad}",
+                        f"KeyError: no tensor with id {bad} in this session",
+                    ],
+                )
             return
         if not isinstance(t, torch.Tensor):
             raise ProtocolError("DOWNLOAD takes a tensor reference")
@@ -771,7 +848,10 @@ class Session:
         if n <= INLINE_DOWNLOAD:
             self._reply(seq, Status.OK, bytes(data))
             return
-        frames = [chunk_frame(Frame.DATA, seq, off, data[off : off + DOWNLOAD_CHUNK]) for off in range(0, n, DOWNLOAD_CHUNK)]
+        frames = [
+            chunk_frame(Frame.DATA, seq, off, data[off : off + DOWNLOAD_CHUNK])
+            for off in range(0, n, DOWNLOAD_CHUNK)
+        ]
         self._reply(seq, Status.OK, n, frames)
 
     # -- replies and facts -------------------------------------------------------------------
@@ -790,9 +870,13 @@ class Session:
         size = sum(len(f) if not isinstance(f, list) else sum(len(x) for x in f) for f in frames)
         self._replies[seq] = frames
         self._reply_bytes += size
-        while len(self._replies) > 1 and (len(self._replies) > REPLY_CACHE or self._reply_bytes > REPLY_CACHE_BYTES):
+        while len(self._replies) > 1 and (
+            len(self._replies) > REPLY_CACHE or self._reply_bytes > REPLY_CACHE_BYTES
+        ):
             _, old = self._replies.popitem(last=False)
-            self._reply_bytes -= sum(len(f) if not isinstance(f, list) else sum(len(x) for x in f) for f in old)
+            self._reply_bytes -= sum(
+                len(f) if not isinstance(f, list) else sum(len(x) for x in f) for f in old
+            )
 
     def _resend_reply(self, seq: int) -> None:
         frames = self._replies.get(seq)
