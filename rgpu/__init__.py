@@ -14,6 +14,7 @@ import sys
 
 from ._version import __version__
 from .errors import (
+    AuthError,
     ConnectError,
     ConnectionLost,
     ProtocolViolation,
@@ -34,6 +35,7 @@ __all__ = [
     "RgpuError",
     "RemoteError",
     "ConnectError",
+    "AuthError",
     "ConnectionLost",
     "SessionLost",
     "ProtocolViolation",

@@ -55,7 +55,7 @@ log = logging.getLogger("rgpu")
 INLINE_UPLOAD = 256 * 1024  # uploads up to this size ride inside the op stream
 UPLOAD_CHUNK = 1 << 20  # small enough that an interrupted upload stops within one chunk
 ABORT_OFFSET = (1 << 64) - 1  # a CHUNK at this offset cancels the upload it belongs to
-FREE_BYTES = 64 << 20  # freed tensors holding this much go to the server with the next op...
+FREE_BYTES = 1 << 20  # freed tensors holding this much go to the server before the next op...
 FREE_COUNT = 1024  # ...and so do this many; otherwise frees ride along with the next wait
 
 

@@ -7,7 +7,6 @@ whole test session; tests that need their own server (CLI, shutdown, embedded) s
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,6 @@ import rgpu
 ROOT = Path(__file__).resolve().parent.parent
 # predicted output metadata is checked against what the server produced for every op in tests
 os.environ.setdefault("RGPU_CHECK_META", "1")
-# one token for the test servers; clients (in-process and subprocesses) read it from here
-TOKEN = secrets.token_urlsafe(24)
-os.environ["RGPU_TOKEN"] = TOKEN
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import threading
+import time
+
+# one token for the test servers; clients (in-process and subprocesses) read it from RGPU_TOKEN
+TOKEN_FOR_TESTS = secrets.token_urlsafe(24)
+os.environ["RGPU_TOKEN"] = TOKEN_FOR_TESTS
 
 
 class ServerProcess:
@@ -39,6 +45,13 @@ class ServerProcess:
 
     def log(self) -> str:
         return "\n".join(self.log_lines)
+
+    def wait_log(self, text: str, timeout: float = 10) -> str:
+        """The log, once it contains `text` (or after `timeout`)."""
+        deadline = time.time() + timeout
+        while text not in self.log() and time.time() < deadline:
+            time.sleep(0.02)
+        return self.log()
 
     def stop(self, timeout: float = 10) -> int:
         if self.proc.poll() is None:

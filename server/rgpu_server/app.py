@@ -120,6 +120,15 @@ class RgpuServer:
             host = f"[{host}]"
         return f"{self.scheme}://{host}:{self.port}"
 
+    def info(self) -> dict:
+        """Server-wide counts (for INFO): sessions, and the tensors and bytes they hold."""
+        tensors = nbytes = 0
+        for s in list(self.sessions.values()):
+            count, held = s.memory()
+            tensors += count
+            nbytes += held
+        return {"sessions": len(self.sessions), "tensors": tensors, "bytes": nbytes}
+
     def stop(self) -> None:
         """Ask the server to stop (finish in-flight work, then close); safe from any thread."""
         if self._loop is not None and self._stop is not None:
@@ -285,6 +294,7 @@ class RgpuServer:
                 client=peer,
                 quota=self.config.quota,
             )
+            session.server_info = self.info
             self.sessions[session.id] = session
         loop = asyncio.get_running_loop()
 

@@ -155,6 +155,7 @@ class Session:
         self.processed = 0  # bytes of frames taken from the inbox (the reader pauses on backlog)
         self.send: Callable[[list], None] | None = None  # set by the connection
         self.on_protocol_error: Callable[[str], None] | None = None
+        self.server_info: Callable[[], dict] | None = None  # facts about the whole server, for INFO
         # a session outlives its connection: a client that reconnects resumes it
         self.generation = 0
         self.detached_at: float | None = time.monotonic()
@@ -908,4 +909,5 @@ class Session:
             "conformed": self.conformed,
             "quota": self.quota,
             "device": str(self.device),
+            "server": self.server_info() if self.server_info is not None else {},
         }
