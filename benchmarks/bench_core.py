@@ -14,6 +14,8 @@ document goes to stdout (and to --out); progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import subprocess
 import sys
 
@@ -24,7 +26,10 @@ import rgpu
 
 
 def start_server(cpus: set[int] | None) -> tuple[subprocess.Popen[str], str]:
-    """Start a CPU rgpu server on a free loopback port (on `cpus`); return it and its URL."""
+    """Start a CPU rgpu server on a free loopback port (on `cpus`); return it and its URL.
+
+    Server and client share a fresh token through RGPU_TOKEN."""
+    os.environ.setdefault("RGPU_TOKEN", secrets.token_urlsafe(24))
     cmd = [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", "0", "--announce"]
     proc = subprocess.Popen(
         cmd,

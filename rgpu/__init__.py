@@ -63,6 +63,7 @@ if not _IN_SERVER:
         session = _get_session()
         if session is None:
             return {
+                "reconnects": 0,
                 "messages": 0,
                 "waits": 0,
                 "bytes_out": 0,

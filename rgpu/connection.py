@@ -62,7 +62,11 @@ def _ssl_context(url: str) -> ssl.SSLContext | None:
     """Verify the server's certificate by default; RGPU_CA_BUNDLE adds a private CA."""
     if not url.lower().startswith("wss://"):
         return None
-    return ssl.create_default_context(cafile=os.environ.get("RGPU_CA_BUNDLE") or None)
+    ctx = ssl.create_default_context()
+    bundle = os.environ.get("RGPU_CA_BUNDLE")
+    if bundle:
+        ctx.load_verify_locations(cafile=bundle)
+    return ctx
 
 
 def _connect_kwargs(url: str, token: str | None, open_timeout: float) -> dict[str, Any]:
@@ -153,6 +157,8 @@ class Connection:
             ) from None
         if "refused" in welcome:
             self.ws.close()
+            if welcome["refused"] == "session-lost":
+                raise SessionLost(welcome["message"])
             raise ConnectError(
                 f"the rgpu server at {url} refused this client: {welcome['message']}"
             )

@@ -50,7 +50,8 @@ def connect(url: str | None = None, *, token: str | None = None, timeout: float 
     global _current
     with _lock:
         target = url or os.environ.get("RGPU_SERVER") or "local"
-        token = token or os.environ.get("RGPU_TOKEN") or None
+        if token is None and "token=" not in target:  # a pasted ?token= URL beats the env
+            token = os.environ.get("RGPU_TOKEN") or None
         if target == "local":
             server = EmbeddedServer(device=os.environ.get("RGPU_LOCAL_DEVICE", "auto"))
             try:
@@ -76,17 +77,15 @@ def connect(url: str | None = None, *, token: str | None = None, timeout: float 
 
 
 def _warm_up() -> None:
-    """Import what the first meta inference needs, off the critical path (it takes ~0.5 s)."""
+    """Import what the first meta inference needs (~0.5 s) now, at connect, rather than in the
+    user's first op. Not on a thread: a daemon thread inside torch when the interpreter exits
+    aborts the process."""
+    import torch
 
-    def run() -> None:
-        import torch
-
-        try:
-            torch.empty(2, device="meta").add(1).relu().sum()
-        except Exception:
-            pass
-
-    threading.Thread(target=run, name="rgpu-warm-up", daemon=True).start()
+    try:
+        torch.empty(2, device="meta").add(1).relu().sum()
+    except Exception:
+        pass
 
 
 def disconnect() -> None:

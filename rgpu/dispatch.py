@@ -94,7 +94,8 @@ def _is_tensorish(t: Any) -> bool:
     return "Tensor" in s
 
 
-_INFO: dict[Any, OpInfo] = {}
+_INFO: dict[int, OpInfo] = {}
+_KEEP: list = []
 _PLANS: dict[tuple, Any] = {}
 _SPECIAL: dict[Any, Any] = {}
 
@@ -132,7 +133,7 @@ def _check_session(x: Any, sess) -> None:
 
 
 def _plan_key(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> tuple:
-    parts: list = [func]
+    parts: list = [info]
     append = parts.append
     by_value = info.by_value
     for a in args:
@@ -337,9 +338,10 @@ def _build(spec: tuple, args: tuple, kwargs: dict, sess, ids: list, depth: int =
 
 def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     """`__torch_dispatch__` for RemoteTensor, and the body of the factory kernels."""
-    info = _INFO.get(func)
+    info = _INFO.get(id(func))  # OpOverload's __hash__ is Python code; its id is not
     if info is None:
-        info = _INFO[func] = OpInfo(func)
+        info = _INFO[id(func)] = OpInfo(func)
+        _KEEP.append(func)  # ids stay valid: OpOverloads live for the process anyway
     if kwargs is None:
         kwargs = {}
     if info.special is not None:

@@ -11,7 +11,10 @@ class Settings:
 
     def __init__(self) -> None:
         # transfers of at least this many bytes show a progress bar with rate and ETA
-        self.progress_bytes = int(os.environ.get("RGPU_PROGRESS_BYTES", 64 << 20))
+        try:
+            self.progress_bytes = int(os.environ.get("RGPU_PROGRESS_BYTES", 64 << 20))
+        except ValueError:  # importing rgpu must never raise
+            self.progress_bytes = 64 << 20
 
 
 settings = Settings()

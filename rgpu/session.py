@@ -151,6 +151,7 @@ class Session:
         self._unanswered: dict[int, bytes] = {}
         self._broken: BaseException | None = None
         self._reconnecting = False
+        self._state_lock = threading.Lock()
         self.closed = False
         self.local_process = local_process
         self._encode = Encoder(_encode_hook).encode
@@ -166,6 +167,7 @@ class Session:
         self.device_name: str = str(welcome.get("device_name", "?"))
         self.max_chunk = min(int(welcome.get("max_chunk", UPLOAD_CHUNK)), UPLOAD_CHUNK)
         self.max_message = int(welcome.get("max_message", DEFAULT_LIMITS.max_message))
+        self.flush_bytes = min(self.flush_bytes, self.max_message // 2)
         self._writer = self._new_writer(self.conn)
         self._quiet = threading.Thread(
             target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
@@ -253,6 +255,8 @@ class Session:
                 self._flush_locked()
             elif len(pending) == 1:
                 self._quiet_kick.set()
+        if self._replay.bytes > self._replay.limit:
+            self._wait_for_acks()
 
     def flush(self) -> None:
         """Send everything queued, frees included (no wait). Jupyter calls it between cells."""
@@ -291,11 +295,10 @@ class Session:
         self._first_seq = first + len(pending)
         self._pending = []
         self._pending_bytes = 0
-        if self._replay.over_limit():
-            self._wait_for_acks()
 
     def _wait_for_acks(self) -> None:
-        """Flow control: the server is far behind; let it catch up before queueing more."""
+        """Flow control: the server is far behind; let it catch up before queueing more.
+        Called without the lock held, so a reconnect can replay meanwhile."""
         while not self._replay.wait_below_limit(0.1):
             self._check_usable()
 
@@ -439,7 +442,7 @@ class Session:
         if code == CloseCode.PROTOCOL_ERROR:
             self._mark_broken(ProtocolViolation(f"the rgpu server closed the connection: {exc}"))
             return
-        with self.lock:
+        with self._state_lock:  # not self.lock: the main thread may hold it, waiting on us
             if self._reconnecting or self.closed:
                 return
             self._reconnecting = True
@@ -494,14 +497,20 @@ class Session:
     def _replay_unacked(self) -> None:
         """Send again, in order, every message the server did not confirm (lock held)."""
         batch: list[bytes] = []
+        size = 0
         first = 0
+        cap = min(self.flush_bytes, self.max_message - 1024)
         for seq, data, upload in self._replay.pending():
+            if batch and size + len(data) > cap:
+                self._send(batch_frame(first, batch))
+                batch, size = [], 0
             if not batch:
                 first = seq
             batch.append(data)
-            if upload is not None or len(batch) >= 1024:
+            size += len(data)
+            if upload is not None or len(batch) >= self.flush_ops:
                 self._send(batch_frame(first, batch))
-                batch = []
+                batch, size = [], 0
                 if upload is not None:
                     self._send_chunks(seq, upload)
         if batch:

@@ -8,12 +8,18 @@ session it belongs to, and a hashable metadata key used by the dispatch cache.
 from __future__ import annotations
 
 import itertools
+import struct
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from .protocol import ref_ext, view_ext
+from .protocol import EXT_REF, ref_ext, view_ext
+
+_new_ext = tuple.__new__
+_ExtType = msgpack.ExtType
+_pack_id = struct.Struct("<Q").pack
 
 if TYPE_CHECKING:
     from .session import Session
@@ -43,7 +49,7 @@ class Handle:
         self.sess = sess
         self.base = base
         if base is None:
-            self.ext = ref_ext(tid)
+            self.ext = _new_ext(_ExtType, (EXT_REF, _pack_id(tid)))  # ref_ext, inlined: hot path
         else:
             self.ext = view_ext(base.id, key[1], key[2], key[3])
 

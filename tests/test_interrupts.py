@@ -35,6 +35,7 @@ def test_ctrl_c_during_a_wait_returns_promptly_and_the_work_completes(dev, sessi
 
 
 def test_ctrl_c_during_a_data_dependent_op_frees_its_outputs(dev, session):
+    gc.collect()
     torch.rgpu.synchronize()
     base = session.info()["tensors"]
     a = torch.randn(2000, 2000, device=dev)
@@ -46,9 +47,9 @@ def test_ctrl_c_during_a_data_dependent_op_frees_its_outputs(dev, session):
     del a
     gc.collect()
     deadline = time.time() + 60
-    while session.info()["tensors"] != base and time.time() < deadline:
+    while session.info()["tensors"] > base and time.time() < deadline:
         time.sleep(0.2)
-    assert session.info()["tensors"] == base
+    assert session.info()["tensors"] <= base  # the abandoned outputs were freed
 
 
 def test_ctrl_c_during_a_long_upload_cancels_it_cleanly(server):

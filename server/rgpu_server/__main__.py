@@ -148,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     server = RgpuServer(config)
 
     def on_ready(srv: RgpuServer) -> None:
-        if generated:
-            log.info('clients connect with:  rgpu.connect("%s/?token=%s")', srv.url, token)
+        if generated:  # printed, not logged: it must show at any --log-level
+            print(
+                f'rgpu-server: clients connect with:  rgpu.connect("{srv.url}/?token={token}")',
+                file=sys.stderr,
+                flush=True,
+            )
         elif token is None:
             log.warning("no token: any process that can reach %s can use this GPU", srv.url)
         if args.announce:

@@ -108,6 +108,7 @@ class RgpuServer:
         self._connections: set[ServerConnection] = set()
         self._closing = False
         self._expired: list[Session] = []  # stopped sessions whose worker threads are ending
+        self._owner: dict[bytes, ServerConnection] = {}  # session id -> the connection it runs on
 
     @property
     def scheme(self) -> str:
@@ -144,6 +145,12 @@ class RgpuServer:
 
     def _authorize(self, connection: ServerConnection, request):
         """Refuse a missing or wrong token before any session exists (constant-time compare)."""
+        if request.headers.get("Origin") is not None:
+            # rgpu clients never send one; browsers always do: refuse pages that a user's browser
+            # visits from talking to this server (cross-site websocket hijacking)
+            return connection.respond(
+                http.HTTPStatus.FORBIDDEN, "rgpu-server: browsers may not connect\n"
+            )
         token = self.config.token
         if token is None:
             return None
@@ -270,6 +277,15 @@ class RgpuServer:
         if session is not None and session.ended:
             session = None
         resumed = session is not None
+        if resume is not None and not resumed:
+            await ws.send(refuse_frame(
+                "session-lost",
+                f"the rgpu server at {self.url} no longer has this session (it restarted, or the "
+                "session expired while the connection was down): every rgpu tensor of the session "
+                "is gone. Call rgpu.connect() to start a new session.",
+            ))  # fmt: skip
+            await ws.close(CloseCode.BYE, "session lost")
+            return
         if not resumed:
             if len(self.sessions) >= self.config.max_sessions:
                 await ws.send(
@@ -331,7 +347,11 @@ class RgpuServer:
                 }
             )
         )
+        old_ws = self._owner.get(session.id)
         generation = session.attach(send, on_protocol_error)
+        self._owner[session.id] = ws
+        if old_ws is not None and old_ws is not ws:
+            await old_ws.close(CloseCode.SUPERSEDED, "the session resumed on a newer connection")
         self._connections.add(ws)
         if resumed:
             log.info("session %s resumed by %s at message %d", session.hex, peer, session.last_seq)
@@ -349,6 +369,7 @@ class RgpuServer:
                 if self._closing:
                     continue  # shutting down: finish what arrived before, take nothing new
                 if isinstance(frame, str):
+                    session.stop()  # a protocol error ends the session, as in the worker
                     await ws.close(CloseCode.PROTOCOL_ERROR, "rgpu frames are binary")
                     break
                 received += len(frame)
@@ -359,8 +380,11 @@ class RgpuServer:
             pass
         finally:
             self._connections.discard(ws)
+            if self._owner.get(session.id) is ws:
+                del self._owner[session.id]
             code = ws.close_code
-            if code == CloseCode.BYE and not session.ended:
+            current = session.generation == generation
+            if code == CloseCode.BYE and not session.ended and current:
                 # the client disconnected on purpose: nothing to resume
                 self.sessions.pop(session.id, None)
                 session.stop()
@@ -368,7 +392,7 @@ class RgpuServer:
                 log.info("session %s ended for %s after %d ops", session.hex, peer, session.ops_run)
             else:
                 session.detach(generation)
-                if not session.ended and not self._closing:
+                if not session.ended and not self._closing and current:
                     log.info(
                         "session %s lost its connection from %s (%s); kept %.0f s for a resume",
                         session.hex, peer, ws.close_reason or f"code {code}", self.config.grace,

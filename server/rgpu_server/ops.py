@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,6 +53,8 @@ class ResolvedOp:
     seeded: bool  # draws from the default generator without taking one: swap session state in
     writes: tuple[tuple[int, str], ...]  # (position or -1 if keyword-only, name) of written args
     factory: bool = False  # takes a device and no tensor: allocates from nothing
+    call: Any = None  # the C++ callable behind `op` (skips OpOverload.__call__'s Python frame)
+    plain: bool = False  # no generator to inject, no RNG state to swap: call it directly
 
 
 _cache: dict[str, ResolvedOp] = {}
@@ -73,7 +76,14 @@ def resolve(name: str) -> ResolvedOp:
     if name in SUBSTITUTES:
         sub = resolve(SUBSTITUTES[name])
         resolved = ResolvedOp(
-            sub.op, f"aten::{name}", sub.takes_generator, sub.seeded, sub.writes, sub.factory
+            sub.op,
+            f"aten::{name}",
+            sub.takes_generator,
+            sub.seeded,
+            sub.writes,
+            sub.factory,
+            sub.call,
+            sub.plain,
         )
         _cache[name] = resolved
         return resolved
@@ -97,5 +107,7 @@ def resolve(name: str) -> ResolvedOp:
         "Tensor" in str(a.type) for a in args
     )
     resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded, writes, factory)
+    resolved.call = op._op
+    resolved.plain = not takes_gen and not seeded
     _cache[name] = resolved
     return resolved

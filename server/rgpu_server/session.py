@@ -44,6 +44,7 @@ from rgpu.protocol import (
 from rgpu.protocol.codec import Device
 
 from .ops import OpRefused, resolve
+from .ops import _cache as _resolved
 
 log = logging.getLogger("rgpu_server")
 
@@ -51,7 +52,7 @@ DEFAULT_SEED = (
     67280421310721  # torch's own default seed, so a fresh session acts like a fresh process
 )
 INLINE_DOWNLOAD = 1 << 20  # downloads up to this size ride inside the REPLY
-DOWNLOAD_CHUNK = 4 << 20
+DOWNLOAD_CHUNK = 1 << 20
 MAX_DYNAMIC_OUTPUTS = 4096  # the client reserves this many ids for one RUN_DYN
 REPLY_CACHE = 32  # replies kept for resending after a dropped connection...
 REPLY_CACHE_BYTES = 512 << 20  # ...and their bytes (the newest is always kept)
@@ -161,6 +162,10 @@ class Session:
         self.detached_at: float | None = time.monotonic()
         self.ended = False
         self._busy = False
+        self._pinned: torch.Tensor | None = None  # staging for chunks on their way to a GPU
+        self._lookahead: tuple[int, Any] | None = (
+            None  # a frame _receive_chunks took but did not own
+        )
         # replies to waited messages, kept so a reply lost with a connection can be sent again
         self._replies: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._reply_bytes = 0
@@ -210,7 +215,7 @@ class Session:
 
     def idle(self) -> bool:
         """Nothing received is still waiting to run."""
-        return not self._busy and self.inbox.empty()
+        return not self._busy and self._lookahead is None and self.inbox.empty()
 
     def join(self, timeout: float | None = None) -> None:
         self._worker.join(timeout)
@@ -230,10 +235,17 @@ class Session:
         else:
             self._serve()
 
+    def _next_frame(self) -> tuple[int, Any]:
+        """The next inbox item; a frame put back by `_receive_chunks` comes first."""
+        if self._lookahead is not None:
+            item, self._lookahead = self._lookahead, None
+            return item
+        return self.inbox.get()
+
     def _serve(self) -> None:
         try:
             while True:
-                generation, frame = self.inbox.get()
+                generation, frame = self._next_frame()
                 self.processed += len(frame)
                 if frame is STOP:
                     return
@@ -323,6 +335,8 @@ class Session:
             except RuntimeError as e:
                 if self._bad is None:
                     self._bad = Poison("view", f"invalid view of tensor {view.base}: {e}")
+                    if self.first_error is None:
+                        self.first_error = (self._bad.label, self._bad.message)
                 return None
             self._refs[id(v)] = view.base  # writes through the view land in the base
             self._keep.append(v)
@@ -359,9 +373,11 @@ class Session:
                 self._execute(seq, msg)
                 self.last_seq = seq
             elif msg[0] == Kind.UPLOAD and len(msg) == 3 and type(msg[2]) is list:
-                self._receive_chunks(
-                    seq, msg[2]
-                )  # a replayed upload: drain its chunks, apply nothing
+                _, _, nbytes = self._chunk_header(msg[2])  # a replayed upload: drain its chunks
+                try:
+                    self._receive_chunks(seq, nbytes, lambda offset, payload: None)
+                except UploadAborted:
+                    pass  # its source changed since; it was applied whole the first time
             elif msg[0] in WAITED:
                 self._resend_reply(seq)  # its reply was lost with the old connection
             seq += 1
@@ -478,9 +494,36 @@ class Session:
                 finally:
                     self.generator.set_state(default.get_state())
                     default.set_state(saved)
-        return resolved.op(*args, **kwargs)
+        return resolved.call(*args, **kwargs)
 
     def _run_op(self, msg: list) -> None:
+        if len(msg) == 5:  # the hot path: no expected metadata
+            _, name, args, kwargs, outs = msg
+            if (
+                type(args) is list
+                and type(outs) is list
+                and len(outs) == 1
+                and self._bad is None
+                and self.quota is None
+            ):
+                resolved = _resolved.get(name) if type(name) is str else None
+                if resolved is not None and resolved.plain:
+                    try:
+                        result = resolved.call(*args, **kwargs) if kwargs else resolved.call(*args)
+                    except Exception as e:
+                        self._fail(
+                            resolved.label,
+                            _describe(e),
+                            [*outs, *self._written_ids(resolved, args, kwargs)],
+                        )
+                        return
+                    self.ops_run += 1
+                    i = outs[0]
+                    if type(result) is torch.Tensor and type(i) is int:
+                        self.tensors[i] = result
+                        return
+                    self._store(resolved, msg, outs, result)
+                    return
         if len(msg) < 5:
             raise ProtocolError("RUN takes op, args, kwargs, out_ids")
         name, args, kwargs, outs = msg[1], msg[2], msg[3], msg[4]
@@ -513,6 +556,10 @@ class Session:
             )
             return
         self.ops_run += 1
+        self._store(resolved, msg, outs, result)
+
+    def _store(self, resolved, msg: list, outs: list, result: Any) -> None:
+        """Keep an op's outputs under the client's ids."""
         if not outs:
             return
         if len(outs) == 1 and type(result) is torch.Tensor:
@@ -752,8 +799,23 @@ class Session:
             raise ProtocolError("UPLOAD takes a destination and data")
         dst, data = msg[1], msg[2]
         if type(data) is list:  # chunked: [dtype, shape, nbytes], CHUNK frames follow
+            dtype, shape, nbytes = self._chunk_header(data)
+            write = self._direct_writer(dst, dtype, shape)
+            staging = None
+            if write is None and (not isinstance(dst, torch.Tensor) or nbytes > dst.numel() * 16):
+                # no destination (poisoned or unknown id), or more bytes than any copy_ into it
+                # could use: take the chunks without keeping them
+                write = lambda offset, payload: None  # noqa: E731
+                dst = None
+            elif write is None:  # a cast, a broadcast or a strided destination: stage, then copy_
+                staging = bytearray(nbytes)
+                view = memoryview(staging)
+
+                def write(offset: int, payload: memoryview) -> None:
+                    view[offset : offset + len(payload)] = payload
+
             try:
-                host = self._receive_chunks(seq, data)
+                self._receive_chunks(seq, nbytes, write)
             except UploadAborted:
                 poison = Poison(
                     "upload", "the upload was interrupted on the client; this tensor holds no data"
@@ -761,6 +823,23 @@ class Session:
                 if isinstance(dst, torch.Tensor) and id(dst) in self._refs:
                     self.tensors[self._refs[id(dst)]] = poison
                 return
+            if dst is None:
+                if self._bad is None:
+                    self._fail(
+                        "upload", f"the upload of {nbytes} bytes does not fit its destination", ()
+                    )
+                elif type(self._bad) is not Poison:
+                    self._fail(
+                        "upload", f"KeyError: no tensor with id {self._bad} in this session", ()
+                    )
+                return
+            if staging is None:
+                return  # the chunks went straight into dst (or nowhere, for a poisoned dst)
+            host = (
+                torch.frombuffer(staging, dtype=dtype).reshape(shape)
+                if nbytes
+                else torch.empty(shape, dtype=dtype)
+            )
         elif isinstance(data, torch.Tensor):
             host = data
         else:
@@ -777,7 +856,42 @@ class Session:
         except Exception as e:
             self._fail("upload", _describe(e), ())
 
-    def _receive_chunks(self, seq: int, header: list) -> torch.Tensor:
+    def _direct_writer(self, dst: Any, dtype: torch.dtype, shape: list):
+        """Write chunks straight into dst when its bytes are exactly the upload's bytes (saves a
+        staging buffer the size of the upload and a full copy)."""
+        if (
+            self._bad is not None
+            or not isinstance(dst, torch.Tensor)
+            or dst.dtype != dtype
+            or list(dst.shape) != shape
+            or not dst.is_contiguous()
+            or dst.is_conj()
+            or dst.is_neg()
+            or dst.numel() == 0
+        ):
+            return None
+        if dst.device.type == "cpu":
+            view = byte_view(dst)
+
+            def write(offset: int, payload: memoryview) -> None:
+                view[offset : offset + len(payload)] = payload
+
+            return write
+        flat = dst.reshape(-1).view(torch.uint8)
+        if self._pinned is None or self._pinned.numel() < self.limits.max_chunk:
+            pin = self.device.type == "cuda"
+            self._pinned = torch.empty(self.limits.max_chunk, dtype=torch.uint8, pin_memory=pin)
+        pinned = self._pinned
+        pinned_view = byte_view(pinned)
+
+        def write_device(offset: int, payload: memoryview) -> None:
+            n = len(payload)
+            pinned_view[:n] = payload
+            flat[offset : offset + n].copy_(pinned[:n])
+
+        return write_device
+
+    def _chunk_header(self, header: list) -> tuple[torch.dtype, list, int]:
         if len(header) != 3:
             raise ProtocolError("chunked UPLOAD header is [dtype, shape, nbytes]")
         dtype, shape, nbytes = header
@@ -792,16 +906,21 @@ class Session:
             raise ProtocolError(
                 f"chunked UPLOAD announces {nbytes} bytes for shape {shape} of {dtype}"
             )
-        buf = bytearray(nbytes)
-        view = memoryview(buf)
+        return dtype, shape, nbytes
+
+    def _receive_chunks(self, seq: int, nbytes: int, write) -> None:
+        """Take the CHUNK frames of UPLOAD `seq` from the inbox, in order, into `write`."""
         got = 0
+        upload_generation = self.generation
         while got < nbytes:
-            generation, frame = self.inbox.get()
-            self.processed += len(frame)
-            if frame is STOP:
-                self.inbox.put((generation, STOP))
+            generation, frame = self._next_frame()
+            if frame is STOP or (generation != upload_generation and frame is not DETACHED):
+                # the session ends, or a newer connection's replay arrived before we noticed the
+                # old one drop: leave that frame for the main loop; the upload comes again
+                self._lookahead = (generation, frame)
                 raise ConnectionGone()
-            if frame is DETACHED or generation != self.generation:
+            self.processed += len(frame)
+            if frame is DETACHED:
                 raise ConnectionGone()  # the upload comes again, whole, when the client replays
             if not frame or frame[0] != Frame.CHUNK:
                 raise ProtocolError("UPLOAD expected a CHUNK frame next")
@@ -812,11 +931,8 @@ class Session:
                 raise ProtocolError(
                     f"CHUNK for seq {cseq} at offset {offset} does not continue UPLOAD {seq}"
                 )
-            view[got : got + len(payload)] = payload
+            write(got, payload)
             got += len(payload)
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def _download(self, seq: int, msg: list) -> None:
         if len(msg) != 2:
