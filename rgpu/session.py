@@ -238,24 +238,28 @@ class Session:
 
     def post(self, msg: tuple) -> None:
         """Queue a message that needs no answer."""
+        flow = False
         with self.lock:
             if self._broken is not None or self.closed:
                 self._check_usable()
             if self.free_bytes >= FREE_BYTES or len(self.frees) >= FREE_COUNT:
                 self._drain_frees_locked()  # big or many: let the server reuse that memory now
             data = self._encode(msg)
-            if len(data) > 65536:
+            n = len(data)
+            if n > 65536:
                 self._too_big(data)
             pending = self._pending
             pending.append(data)
-            self._pending_bytes += len(data)
-            self.bytes_out += len(data)
+            self._pending_bytes += n
+            self.bytes_out += n
             self.messages += 1
             if len(pending) >= self.flush_ops or self._pending_bytes >= self.flush_bytes:
                 self._flush_locked()
+                if self._replay.bytes > self._replay.limit:
+                    flow = True
             elif len(pending) == 1:
                 self._quiet_kick.set()
-        if self._replay.bytes > self._replay.limit:
+        if flow:
             self._wait_for_acks()
 
     def flush(self) -> None:
@@ -288,7 +292,7 @@ class Session:
             return
         first = self._first_seq
         # kept for replay first, then sent: a connection can drop at any moment after this
-        self._replay.add(first, pending, upload)
+        self._replay.add(first, pending, self._pending_bytes, upload)
         self._send(batch_frame(first, pending))
         # only now forget the messages: if an interrupt lands before this line, they go out again
         # with the same numbers, and the server drops what it already applied

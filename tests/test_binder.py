@@ -40,7 +40,11 @@ def test_start_ends_by_exec_ing_its_arguments():
 def test_start_runs_a_notebook_against_the_server_it_started(tmp_path):
     port = _free_port()
     # as on mybinder.org: no token or server configured; `start` must provide both
-    env = {k: v for k, v in os.environ.items() if k not in ("RGPU_SERVER", "RGPU_LOCAL_DEVICE", "RGPU_TOKEN")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RGPU_SERVER", "RGPU_LOCAL_DEVICE", "RGPU_TOKEN")
+    }
     env.update(
         RGPU_BINDER_PORT=str(port),
         RGPU_BINDER_LOG=str(tmp_path / "server.log"),

@@ -58,6 +58,7 @@ REPLY_CACHE = 32  # replies kept for resending after a dropped connection...
 REPLY_CACHE_BYTES = 512 << 20  # ...and their bytes (the newest is always kept)
 ACK_EVERY_MESSAGES = 2048
 ACK_EVERY_BYTES = 4 << 20
+ACK_IDLE_BYTES = 16 << 10
 _rng_swap_lock = threading.Lock()  # guards the process-wide default generator during a swap
 
 
@@ -281,7 +282,8 @@ class Session:
     def _maybe_ack(self) -> None:
         """Tell the client what was applied, now and then, so its replay buffer stays small."""
         if self.last_seq > self._acked and (
-            self.inbox.empty()  # caught up: the client may be holding back, waiting for this
+            # caught up: a client holding back for flow control may be waiting for this
+            (self.processed - self._acked_bytes >= ACK_IDLE_BYTES and self.inbox.empty())
             or self.last_seq - self._acked >= ACK_EVERY_MESSAGES
             or self.processed - self._acked_bytes >= ACK_EVERY_BYTES
         ):
