@@ -30,6 +30,7 @@ __all__ = [
     "stats",
     "session_info",
     "current_session",
+    "compile_backend",
     "settings",
     "RemoteTensor",
     "RgpuError",
@@ -47,6 +48,7 @@ _IN_SERVER = "rgpu_server" in sys.modules
 
 if not _IN_SERVER:
     from . import _registration
+    from .compile import compile_backend
     from .current import connect, disconnect
     from .current import get as _get_session
     from .progress import settings

@@ -11,18 +11,22 @@ import re
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from . import current as _cur
 from . import tensor as _tensor
 from .protocol import Kind, TensorMeta, ref_ext
 from .tensor import (
+    TRACED,
     Handle,
     RemoteTensor,
+    Traced,
     key_of_meta,
     meta_of_key,
     patch_metadata,
     wrap,
+    wrap_inner,
     wrap_view,
     wrap_with_id,
 )
@@ -125,6 +129,8 @@ def _key(x: Any, by_value: bool) -> Any:
 
 
 def _check_session(x: Any, sess) -> None:
+    if x._r is TRACED:
+        raise Traced()
     if x._r.sess is not sess:
         raise RuntimeError(
             "this rgpu tensor belongs to an earlier session that has ended (reconnected or "
@@ -345,11 +351,16 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     if kwargs is None:
         kwargs = {}
     if info.special is not None:
+        if _any_traced(args, kwargs):
+            return run_traced(func, args, kwargs)
         return info.special(func, info, args, kwargs)
     if info.wire is None:
         return _run_non_aten(func, args, kwargs)
     sess = _cur._current or _cur.current()
-    key = _plan_key(func, info, args, kwargs, sess)
+    try:
+        key = _plan_key(func, info, args, kwargs, sess)
+    except Traced:
+        return run_traced(func, args, kwargs)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _infer(func, info, args, kwargs, sess)
@@ -402,6 +413,38 @@ def _run_non_aten(func, args: tuple, kwargs: dict) -> Any:
         f"rgpu runs aten operators; {func} is not one and has no decomposition into aten "
         "operators, so it cannot run on the rgpu server"
     )
+
+
+# -- torch.compile tracing ----------------------------------------------------------------------
+
+
+def _any_traced(args: tuple, kwargs: dict) -> bool:
+    return any(
+        isinstance(a, RemoteTensor) and a._r is TRACED for a in pytree.tree_leaves((args, kwargs))
+    )
+
+
+def run_traced(func, args: tuple, kwargs: dict) -> Any:
+    """An op on tensors torch.compile is tracing: run it on their (fake) inner tensors, send
+    nothing. Outputs are traced RemoteTensors; an op that returns an input returns its wrapper."""
+    inner_of: dict[int, RemoteTensor] = {}
+
+    def unwrap(x: Any) -> Any:
+        if isinstance(x, RemoteTensor):
+            m = x._rgpu_meta
+            inner_of[id(m)] = x
+            return m
+        return x
+
+    out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
+
+    def wrap_out(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            same = inner_of.get(id(x))
+            return same if same is not None else wrap_inner(x)
+        return x
+
+    return pytree.tree_map(wrap_out, out)
 
 
 def materialize(w: RemoteTensor, sess) -> None:

@@ -116,7 +116,12 @@ class Session:
         token: str | None = None,
         open_timeout: float = 10.0,
         local_process: Any = None,
+        transport: Any = None,
     ) -> None:
+        """`transport`, when given, carries the connection (an SSH tunnel): before every
+        reconnect, `transport.ensure()` re-opens it if it died and returns the URL to use; the
+        session calls `transport.stop()` when it ends."""
+        self.transport = transport
         url, url_token = split_token(url)
         self.url = url
         self._token = token or url_token
@@ -169,6 +174,7 @@ class Session:
         self.max_message = int(welcome.get("max_message", DEFAULT_LIMITS.max_message))
         self.flush_bytes = min(self.flush_bytes, self.max_message // 2)
         self._writer = self._new_writer(self.conn)
+        self.graphs: set[str] = set()  # compiled graphs this session already sent (by content key)
         self._quiet = threading.Thread(
             target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
         )
@@ -461,6 +467,8 @@ class Session:
         old.close(CloseCode.GOING_AWAY)  # not BYE: the server must keep the session for us
         while not self.closed:
             try:
+                if self.transport is not None:
+                    self.url = split_token(self.transport.ensure())[0]
                 conn = self._open(self._session_bytes)
             except SessionLost as e:
                 self._mark_broken(e)
@@ -645,6 +653,8 @@ class Session:
             w.event.set()
         if self.local_process is not None:
             self.local_process.stop()
+        if self.transport is not None:
+            self.transport.stop()
 
     @property
     def state(self) -> str:

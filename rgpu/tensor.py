@@ -64,8 +64,37 @@ class Handle:
             pass
 
 
+class Traced(Exception):
+    """Raised inside dispatch when an argument is a RemoteTensor being traced by torch.compile."""
+
+
+class _TracedHandle:
+    """The `_r` of a RemoteTensor that torch.compile is tracing: it has no server identity."""
+
+    __slots__ = ()
+    sess = None
+    base = None
+
+    @property
+    def key(self) -> Key:
+        raise Traced()
+
+    @property
+    def ext(self) -> Any:
+        raise Traced()
+
+
+TRACED = _TracedHandle()
+_compile_ready = [False]
+
+
 class RemoteTensor(torch.Tensor):
-    """A tensor on device "rgpu": metadata here, data on the rgpu server."""
+    """A tensor on device "rgpu": metadata here, data on the rgpu server.
+
+    For torch.compile it is a traceable wrapper subclass whose one inner tensor is a meta tensor
+    (`_rgpu_meta`) that carries the handle: Dynamo and AOTAutograd trace through fake versions of
+    it, and the compiled graph later runs on the real metas, whose handles name server tensors.
+    """
 
     _r: Handle
 
@@ -75,9 +104,38 @@ class RemoteTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, args, kwargs)
 
+    @property
+    def _rgpu_meta(self) -> torch.Tensor:
+        m = self.__dict__.get("_m")
+        if m is None:
+            m = meta_of_key(self._r.key)
+            m._rgpu_handle = self._r
+            self.__dict__["_m"] = m
+        return m
+
+    def _stable_hash_for_caching(self) -> str:
+        """For AOTAutograd's cache: a RemoteTensor's identity for compilation is its layout."""
+        return f"rgpu:{self.dtype}:{tuple(self.shape)}:{self.stride()}:{self.storage_offset()}"
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        if not _compile_ready[0]:  # torch.compile is tracing one of us: Dynamo is loaded now
+            _compile_ready[0] = True
+            from .compile import guard_default_backend
+
+            guard_default_backend()
+        return ["_rgpu_meta"], None
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict, ctx: Any, outer_size: Any, outer_stride: Any
+    ) -> RemoteTensor:
+        return wrap_inner(inner["_rgpu_meta"], outer_size, outer_stride)
+
     # -- things torch.Tensor refuses for subclasses, or does with many remote ops ------------
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # one download, not ~15 ops
+        if self._r is TRACED:
+            return f"RemoteTensor(traced, shape={list(self.shape)}, dtype={self.dtype})"
         from . import dispatch
 
         return dispatch.tensor_repr(self)
@@ -152,6 +210,34 @@ def wrap(sess: Session, key: Key) -> RemoteTensor:
         if flags & 2:
             torch._C._set_neg(w, True)
     w._r = Handle(sess, next_id(), key)
+    return w
+
+
+def wrap_inner(m: torch.Tensor, size: Any = None, stride: Any = None) -> RemoteTensor:
+    """The RemoteTensor around an inner meta: a real one when the meta carries a handle (the
+    output of a compiled graph), else a traced one, around a fake tensor, while torch.compile
+    traces."""
+    handle = getattr(m, "_rgpu_handle", None)
+    if (
+        handle is None
+        and getattr(m, "fake_device", None) is not None
+        and m.fake_device.type == "meta"
+    ):
+        # Traced: make the fake inner claim rgpu, like the tensors the traced code creates with
+        # device=x.device, so the two mix; and so composite ops decompose as for rgpu (on meta,
+        # ops with Python meta kernels would bypass autograd's decomposition).
+        m.fake_device = DEVICE
+    w = _make(
+        RemoteTensor,
+        m.shape if size is None else size,
+        strides=m.stride() if stride is None else stride,
+        storage_offset=m.storage_offset(),
+        dtype=m.dtype,
+        device=DEVICE,
+        requires_grad=False,
+    )
+    w._r = handle if handle is not None else TRACED
+    w.__dict__["_m"] = m
     return w
 
 
@@ -233,6 +319,7 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
     h.key = key
     if h.base is not None:
         h.ext = view_ext(h.base.id, shape, stride, offset)
+    w.__dict__.pop("_m", None)  # its inner meta described the old layout
 
 
 def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int) -> Key:

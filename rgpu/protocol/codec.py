@@ -28,6 +28,7 @@ EXT_HOST = 6  # small CPU tensor: u8 dtype, u8 ndim, i64 shape[ndim], raw bytes
 EXT_COMPLEX = 7  # two f64
 EXT_META = 8  # tensor metadata: u8 dtype, u8 ndim, u8 flags, i64 shape, i64 stride, i64 offset
 EXT_VIEW = 9  # a view of a tensor: u64 base id, u8 ndim, i64 shape, i64 stride, i64 offset
+EXT_NODE = 10  # a reference to an earlier node of a shipped graph: u32 index
 
 # Fixed wire codes. Never renumber; append only.
 _DTYPE_NAMES = (
@@ -115,6 +116,16 @@ def view_ext(
 
 
 @dataclass(frozen=True, slots=True)
+class NodeRef:
+    """The output of node `index` of a graph (see Kind.COMPILE)."""
+
+    index: int
+
+
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
 class ViewRef:
     """A view reference as it appears after decoding with the default hook."""
 
@@ -177,6 +188,8 @@ def default(obj: Any) -> Any:
         return ref_ext(obj.id)
     if t is ViewRef:
         return view_ext(obj.base, obj.shape, obj.stride, obj.offset)
+    if t is NodeRef:
+        return _ext(EXT_NODE, _U32.pack(obj.index))
     if t is complex:
         return msgpack.ExtType(EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
     if t is torch.layout:
@@ -260,6 +273,10 @@ def decode_simple_ext(code: int, data: bytes) -> Any:
         return complex(re, im)
     if code == EXT_META:
         return decode_meta(data)
+    if code == EXT_NODE:
+        if len(data) != 4:
+            raise ProtocolError("node reference must be 4 bytes")
+        return NodeRef(_U32.unpack(data)[0])
     raise ProtocolError(f"unknown ext type {code}")
 
 

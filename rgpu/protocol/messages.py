@@ -44,7 +44,7 @@ class Kind(IntEnum):
     """Message kinds. Waited kinds get exactly one REPLY; the others get none."""
 
     RUN = 1  # [RUN, op, args, kwargs, out_ids, expect?]
-    RUN_DYN = 2  # waited: [RUN_DYN, op, args, kwargs, out_ids] -> output metadata / values
+    RUN_DYN = 2  # waited: [RUN_DYN, op, args, kwargs, first_id] -> output metadata / values
     UPLOAD = 3  # [UPLOAD, dst_ref, host] or [UPLOAD, dst_ref, [dtype, shape, nbytes]] + CHUNKs
     DOWNLOAD = 4  # waited: [DOWNLOAD, ref] -> bytes, or [nbytes] after DATA frames
     FREE = 5  # [FREE, [ids]]
@@ -53,9 +53,9 @@ class Kind(IntEnum):
     INFO = 8  # waited: [INFO] -> map of session and server facts
     RNG_GET = 9  # waited: [RNG_GET] -> bytes
     RNG_SET = 10  # [RNG_SET, bytes]
-    COMPILE = 16  # reserved for graph shipping
-    CALL = 17  # reserved for graph shipping
-    ACK = 18  # reserved: waited no-op that acknowledges everything before it
+    COMPILE = 16  # [COMPILE, graph_key, nodes, compiler, mode]: build (and cache) a graph
+    CALL = 17  # [CALL, graph_key, input refs, out_ids]: run a compiled graph
+    ACK = 18  # waited no-op whose reply confirms everything before it was applied
 
 
 WAITED = frozenset({Kind.RUN_DYN, Kind.DOWNLOAD, Kind.SYNC, Kind.INFO, Kind.RNG_GET, Kind.ACK})

@@ -43,6 +43,7 @@ from rgpu.protocol import (
 )
 from rgpu.protocol.codec import Device
 
+from . import graphs
 from .ops import OpRefused, resolve
 from .ops import _cache as _resolved
 
@@ -164,6 +165,7 @@ class Session:
         self.ended = False
         self._busy = False
         self._pinned: torch.Tensor | None = None  # staging for chunks on their way to a GPU
+        self.graphs: dict[str, graphs.Graph | Poison] = {}  # compiled graphs, by the client's key
         self._lookahead: tuple[int, Any] | None = (
             None  # a frame _receive_chunks took but did not own
         )
@@ -425,6 +427,10 @@ class Session:
                 self.generator.set_state(torch.frombuffer(bytearray(msg[1]), dtype=torch.uint8))
             except RuntimeError as e:
                 self._fail("set_rng_state", _describe(e), ())
+        elif kind == Kind.COMPILE:
+            self._compile(msg)
+        elif kind == Kind.CALL:
+            self._call_graph(msg)
         elif kind == Kind.ACK:
             if not self._error_pending(seq):
                 self._reply(seq, Status.OK, self.last_seq)
@@ -734,6 +740,93 @@ class Session:
             if type(i) is int:
                 pop(i, None)
 
+    # -- compiled graphs ---------------------------------------------------------------------
+
+    def _compile(self, msg: list) -> None:
+        if (
+            len(msg) != 5
+            or type(msg[1]) is not str
+            or msg[3] not in graphs.COMPILERS
+            or not (msg[4] is None or type(msg[4]) is str)
+        ):
+            raise ProtocolError(
+                "COMPILE takes a key, nodes, a compiler (inductor or eager) and a mode"
+            )
+        key, nodes, compiler, mode = msg[1], msg[2], msg[3], msg[4]
+        if key in self.graphs:
+            return
+        try:
+            self.graphs[key] = graphs.CACHE.get_or_build(nodes, compiler, mode, self.device)
+        except graphs.GraphRefused as e:
+            self._fail_graph(key, f"OpRefused: {e}")
+        except ProtocolError:
+            raise
+        except Exception as e:
+            self._fail_graph(key, _describe(e))
+
+    def _fail_graph(self, key: str, message: str) -> None:
+        poison = Poison(f"compiled graph {key[:12]}", message)
+        self.graphs[key] = poison
+        if self.first_error is None:
+            self.first_error = (poison.label, message)
+
+    def _call_graph(self, msg: list) -> None:
+        if len(msg) != 4 or type(msg[2]) is not list or type(msg[3]) is not list:
+            raise ProtocolError("CALL takes a graph key, inputs and output ids")
+        key, inputs, outs = msg[1], msg[2], msg[3]
+        graph = self.graphs.get(key) if type(key) is str else None
+        if graph is None:
+            self._fail(
+                f"graph {str(key)[:12]}",
+                "RuntimeError: this graph was never compiled in this session",
+                outs,
+            )
+            return
+        if type(graph) is Poison:
+            for i in outs:
+                if i is not None:
+                    self.tensors[i] = graph
+            return
+        if self._bad is not None:
+            self._poison_from_bad(f"compiled graph {key[:12]}", outs)
+            return
+        try:
+            result = graphs.timed_first_call(graph, lambda: self._run_graph(graph, inputs))
+        except Exception as e:
+            self._fail(f"compiled graph {key[:12]}", _describe(e), outs)
+            return
+        self.ops_run += 1
+        result = list(result) if isinstance(result, (list, tuple)) else [result]
+        if len(result) != len(outs):
+            self._fail(
+                f"compiled graph {key[:12]}",
+                f"graph returned {len(result)} values, client expected {len(outs)}",
+                outs,
+            )
+            return
+        for i, v in zip(outs, result):
+            if i is not None:
+                if type(i) is not int:
+                    raise ProtocolError("output ids must be integers or null")
+                if isinstance(v, torch.Tensor):
+                    self.tensors[i] = v
+        if self.quota is not None:
+            self._charge(f"compiled graph {key[:12]}", outs)
+
+    def _run_graph(self, graph: graphs.Graph, inputs: list) -> Any:
+        with torch.no_grad():
+            if not graph.seeded:
+                return graph.fn(*inputs)
+            default = default_generator(self.device)
+            with _rng_swap_lock:
+                saved = default.get_state()
+                default.set_state(self.generator.get_state())
+                try:
+                    return graph.fn(*inputs)
+                finally:
+                    self.generator.set_state(default.get_state())
+                    default.set_state(saved)
+
     # -- memory quota ------------------------------------------------------------------------
 
     def _charge(self, label: str, ids, report: bool = True) -> bool:
@@ -1026,6 +1119,8 @@ class Session:
             "ops_run": self.ops_run,
             "conformed": self.conformed,
             "quota": self.quota,
+            "graphs": len(self.graphs),
+            "compile": graphs.CACHE.counters(),
             "device": str(self.device),
             "server": self.server_info() if self.server_info is not None else {},
         }

@@ -1,0 +1,337 @@
+"""Graph shipping: `torch.compile(model, backend=rgpu.compile_backend(), dynamic=False)`.
+
+Dynamo captures the model, AOTAutograd lowers it to aten forward and backward graphs over the
+RemoteTensors' inner metas, and each graph is encoded once in rgpu's own format (no pickle) and
+sent to the server, which rebuilds it as an FX graph and compiles it for its device (Inductor, or
+plain eager execution of the graph with `compiler="eager"`). Every later call is one CALL message
+that streams like any op. A graph the server cannot take (non-aten operators, constant tensors,
+symbolic shapes) runs as eager remote ops instead, with one warning naming the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import warnings
+from typing import Any
+
+import torch
+import torch.fx
+
+from . import current as _cur
+from . import tensor as _tensor
+from .protocol import Encoder, Kind, NodeRef, ref_ext
+from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, wrap_inner
+
+log = logging.getLogger("rgpu")
+COMPILERS = ("inductor", "eager")
+SHIPPED: list = []  # every graph this process compiled for shipping (tests count them)
+_ENCODE = Encoder().encode
+_warned: set[str] = set()
+
+
+class Unshippable(Exception):
+    """A graph rgpu cannot send; it runs as eager remote ops instead."""
+
+
+def _encode_arg(x: Any, index: dict[torch.fx.Node, int]) -> Any:
+    if isinstance(x, torch.fx.Node):
+        return NodeRef(index[x])
+    if isinstance(x, (list, tuple)):
+        return [_encode_arg(y, index) for y in x]
+    if isinstance(x, dict):
+        return {k: _encode_arg(v, index) for k, v in x.items()}
+    if isinstance(x, torch.device):
+        # traced code ran on the meta device: those tensors belong on the server's device
+        return x if x.type == "cpu" else torch.device(_tensor.DEVICE_TYPE)
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise Unshippable("it has dynamic shapes; compile with dynamic=False")
+    if isinstance(x, torch.Tensor):
+        raise Unshippable("it holds a constant tensor")
+    if x is None or type(x) in (
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        torch.dtype,
+        torch.layout,
+        torch.memory_format,
+    ):
+        return x
+    raise Unshippable(f"an argument of type {type(x).__name__} cannot be sent")
+
+
+def serialize(gm: torch.fx.GraphModule) -> list:
+    """The graph as rgpu's wire nodes: ["p"], ["c", op, args, kwargs], ["g", node, i], ["o", refs]."""
+    index: dict[torch.fx.Node, int] = {}
+    nodes: list = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            nodes.append(["p"])
+        elif node.op == "call_function" and node.target is operator.getitem:
+            src, i = node.args
+            if not isinstance(i, int):
+                raise Unshippable("it indexes an output with a non-integer")
+            nodes.append(["g", index[src], i])
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            schema = node.target._schema
+            ns, name = schema.name.split("::", 1)
+            if ns != "aten":
+                raise Unshippable(f"it calls {schema.name}, which is not an aten operator")
+            op = f"{name}.{node.target._overloadname}"
+            nodes.append(
+                [
+                    "c",
+                    op,
+                    _encode_arg(list(node.args), index),
+                    _encode_arg(dict(node.kwargs), index),
+                ]
+            )
+        elif node.op == "output":
+            outs = node.args[0]
+            nodes.append(
+                ["o", _encode_arg(list(outs) if isinstance(outs, (list, tuple)) else [outs], index)]
+            )
+        else:
+            raise Unshippable(f"it has a {node.op} node ({node.target})")
+        index[node] = len(index)
+    for node in gm.graph.nodes:  # symbolic shapes in the outputs cannot be allocated ahead
+        if node.op == "output":
+            for v in _output_values(node):
+                if isinstance(v, torch.Tensor) and any(
+                    isinstance(s, torch.SymInt) for s in v.shape
+                ):
+                    raise Unshippable("its outputs have dynamic shapes; compile with dynamic=False")
+    return nodes
+
+
+def _output_values(output_node: torch.fx.Node) -> list:
+    outs = output_node.args[0]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    return [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outs]
+
+
+def _output_plan(gm: torch.fx.GraphModule) -> list:
+    """Per output: ("input", i) when the graph returns input i itself, ("new", key) for a fresh
+    tensor, ("value", v) otherwise."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = output_node.args[0]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    plan = []
+    for o in outs:
+        if isinstance(o, torch.fx.Node) and o.op == "placeholder":
+            plan.append(("input", placeholders.index(o)))
+            continue
+        val = o.meta.get("val") if isinstance(o, torch.fx.Node) else o
+        if isinstance(val, torch.Tensor):
+            plan.append(("new", key_of_meta(val)))
+        else:
+            plan.append(("value", val))
+    return plan
+
+
+class ShippedGraph:
+    """The boxed callable AOTAutograd runs: one CALL message per call, outputs minted locally."""
+
+    _boxed_call = True
+
+    def __init__(
+        self, key: str, nodes: list, compiler: str, mode: str | None, plan: list, n_nodes: int
+    ) -> None:
+        self._boxed_call = True  # in the instance dict: wrappers that copy __dict__ keep it
+        self.key = key
+        self.nodes = nodes
+        self.compiler = compiler
+        self.mode = mode
+        self.plan = plan
+        self.n_nodes = n_nodes
+
+    def __call__(self, args: list) -> list:
+        sess = _cur._current or _cur.current()
+        if self.key not in sess.graphs:  # once per session: the server builds (or finds) it
+            sess.post((Kind.COMPILE, self.key, self.nodes, self.compiler, self.mode))
+            sess.graphs.add(self.key)
+        refs = []
+        handles = []  # held until the CALL is queued: an input freed earlier would reach the
+        for a in args:  # server (as a FREE) before the CALL that reads it
+            if isinstance(a, torch.Tensor):
+                handle = getattr(a, "_rgpu_handle", None)
+                if handle is not None:
+                    refs.append(handle.ext)
+                    handles.append(handle)
+                elif a.device.type == "cpu":
+                    refs.append(a)  # a CPU tensor the graph captured: sent along, inline
+                else:
+                    raise RuntimeError(
+                        f"a compiled rgpu graph got a {a.device.type} tensor; move every input "
+                        "and parameter to rgpu before calling the compiled model"
+                    )
+            else:
+                refs.append(a)
+        args.clear()  # boxed convention: let go of inputs as early as possible
+        outs: list = []
+        ids: list = []
+        for kind, payload in self.plan:
+            if kind == "new":
+                m = meta_of_key(payload)
+                h = Handle(sess, _tensor.next_id(), payload)
+                m._rgpu_handle = h
+                outs.append(m)
+                ids.append(h.id)
+            elif kind == "input":
+                outs.append(None)  # filled below
+                ids.append(None)
+            else:
+                outs.append(payload)
+                ids.append(None)
+        sess.post((Kind.CALL, self.key, refs, ids))
+        del handles
+        return outs
+
+
+class _InputOutputs:
+    """Wraps a ShippedGraph whose outputs include some of its inputs (returned as they are)."""
+
+    _boxed_call = True
+
+    def __init__(self, graph: ShippedGraph) -> None:
+        self._boxed_call = True
+        self.graph = graph
+        self.positions = [
+            (k, payload) for k, (kind, payload) in enumerate(graph.plan) if kind == "input"
+        ]
+
+    def __call__(self, args: list) -> list:
+        kept = {i: args[i] for _, i in self.positions}
+        outs = self.graph(args)
+        for k, i in self.positions:
+            outs[k] = kept[i]
+        return outs
+
+
+class _OnRgpu(torch.fx.Interpreter):
+    """Runs a traced graph with RemoteTensors: tensors it creates go to rgpu, not to meta."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        def fix(x: Any) -> Any:
+            if isinstance(x, torch.device) and x.type == "meta":
+                return _tensor.DEVICE
+            return x
+
+        return super().call_function(
+            target,
+            torch.utils._pytree.tree_map(fix, args),
+            torch.utils._pytree.tree_map(fix, kwargs),
+        )
+
+
+class EagerFallback:
+    """Runs a graph the server cannot take as ordinary remote ops (one message per op)."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self._boxed_call = True
+        self.gm = gm
+
+    def __call__(self, args: list) -> list:
+        wrapped = [
+            wrap_inner(a) if isinstance(a, torch.Tensor) and hasattr(a, "_rgpu_handle") else a
+            for a in args
+        ]
+        args.clear()
+        outs = _OnRgpu(self.gm).run(*wrapped)
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        return [o._rgpu_meta if isinstance(o, RemoteTensor) else o for o in outs]
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"rgpu: running a compiled graph as eager remote ops because {reason}", stacklevel=3
+        )
+
+
+def _graph_compiler(compiler: str, mode: str | None):
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        try:
+            nodes = serialize(gm)
+            plan = _output_plan(gm)
+        except Unshippable as e:
+            _warn_once(str(e))
+            return EagerFallback(gm)
+        blob = _ENCODE([nodes, compiler, mode])
+        key = hashlib.sha256(blob).hexdigest()
+        graph = ShippedGraph(key, nodes, compiler, mode, plan, len(gm.graph.nodes))
+        SHIPPED.append(graph)
+        return _InputOutputs(graph) if any(k == "input" for k, _ in plan) else graph
+
+    return compile_graph
+
+
+def compile_backend(compiler: str = "inductor", mode: str | None = None) -> Any:
+    """A torch.compile backend that ships whole graphs to the rgpu server.
+
+        model = torch.compile(model, backend=rgpu.compile_backend(), dynamic=False)
+
+    `compiler="inductor"` compiles each graph with Inductor on the server (for its GPU);
+    `compiler="eager"` runs the shipped graph op by op there (fast to start; for diagnosis).
+    `mode` is passed to the server's torch.compile (e.g. "reduce-overhead", "max-autotune").
+    """
+    if compiler not in COMPILERS:
+        raise ValueError(f"compiler must be one of {COMPILERS}, not {compiler!r}")
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    fn = _graph_compiler(compiler, mode)
+    return aot_autograd(
+        fw_compiler=fn, bw_compiler=fn, partition_fn=min_cut_rematerialization_partition
+    )
+
+
+def _refuse_local_inductor() -> None:
+    """`torch.compile(model)` on rgpu tensors would run Inductor here, for a device it cannot
+    generate code for; say what to do instead of failing deep inside Inductor."""
+    import torch._inductor.compile_fx as inductor
+
+    compile_fx = inductor.compile_fx  # what torch.compile's default backend calls
+
+    def guarded(gm: torch.fx.GraphModule, example_inputs: list, *args: Any, **kwargs: Any) -> Any:
+        for x in example_inputs:
+            if isinstance(x, RemoteTensor) or getattr(x, "device", None) == _tensor.DEVICE:
+                raise RuntimeError(
+                    "torch.compile's default backend compiles for this machine and cannot run rgpu "
+                    "tensors. Ship the graph to the rgpu server instead: "
+                    "torch.compile(model, backend=rgpu.compile_backend(), dynamic=False) "
+                    '(or backend="rgpu")'
+                )
+        return compile_fx(gm, example_inputs, *args, **kwargs)
+
+    inductor.compile_fx = guarded
+
+
+_guarded = False
+
+
+def guard_default_backend() -> None:
+    """Called when torch.compile first traces a RemoteTensor (Dynamo is loaded by then); importing
+    rgpu itself never imports Dynamo. backend="rgpu" comes from the package's entry point."""
+    global _guarded
+    if not _guarded:
+        _guarded = True
+        try:
+            _refuse_local_inductor()
+        except Exception:  # a torch without this registry layout: the guard is only a nicety
+            pass
+
+
+def rgpu_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+    """backend="rgpu" (registered through the torch_dynamo_backends entry point)."""
+    return compile_backend()(gm, example_inputs, **kwargs)
+
+
+__all__ = ["compile_backend", "serialize", "Unshippable", "ref_ext"]

@@ -1,0 +1,173 @@
+"""Shipped graphs: rebuilt from rgpu's node list as FX graphs and compiled for this device.
+
+A graph is known by the hash of its content. Compiled graphs are shared by every session of this
+process, and Inductor's own on-disk cache (under the compile cache directory) makes a graph this
+server compiled before, even in an earlier run, start fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from rgpu.protocol import Encoder, NodeRef, ProtocolError
+
+from .ops import OpRefused, resolve
+
+log = logging.getLogger("rgpu_server")
+COMPILERS = ("inductor", "eager")
+MAX_NODES = 200_000
+_CANON = Encoder().encode
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RGPU_COMPILE_CACHE_DIR") or Path.home() / ".cache" / "rgpu")
+
+
+def configure_cache(path: str | None) -> Path:
+    """Point Inductor's on-disk caches at our cache directory (before Inductor is imported)."""
+    root = Path(path) if path else cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ["RGPU_COMPILE_CACHE_DIR"] = str(root)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    return root
+
+
+@dataclass
+class Graph:
+    key: str
+    fn: Any  # callable(*inputs) -> tuple of outputs
+    n_nodes: int
+    seeded: bool  # has random ops: run with the session's RNG state swapped in
+    compiler: str
+
+
+class GraphCache:
+    """Compiled graphs of this process, by content key, and counters that tests and INFO read."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[str, Graph] = {}
+        self._lock = threading.Lock()
+        self.built = 0  # graphs this process built
+        self.reused = 0  # COMPILEs answered from graphs this process already had
+        self.compile_seconds = 0.0
+
+    def get_or_build(
+        self, nodes: list, compiler: str, mode: str | None, device: torch.device
+    ) -> Graph:
+        # keyed by what the server decoded, never by a name a client chose: one client cannot
+        # plant a different graph under a key another client's graph will be looked up by
+        key = hashlib.sha256(_CANON([nodes, compiler, mode, str(device)])).hexdigest()
+        with self._lock:
+            hit = self._graphs.get(key)
+            if hit is not None:
+                self.reused += 1
+                return hit
+        gm, seeded = build(nodes, device)
+        fn: Any = gm
+        if compiler == "inductor":
+            fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False, fullgraph=True)
+        graph = Graph(key, fn, len(nodes), seeded, compiler)
+        with self._lock:
+            self._graphs.setdefault(key, graph)
+            self.built += 1
+            return self._graphs[key]
+
+    def counters(self) -> dict:
+        hits = 0
+        try:  # Inductor's on-disk FX graph cache: hits mean a compile from an earlier run was reused
+            from torch._dynamo.utils import counters
+
+            hits = int(counters["inductor"]["fxgraph_cache_hit"])
+        except Exception:
+            pass
+        return {
+            "graphs_built": self.built,
+            "graphs_reused": self.reused,
+            "compile_seconds": round(self.compile_seconds, 3),
+            "inductor_cache_hits": hits,
+        }
+
+
+CACHE = GraphCache()
+
+
+def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool]:
+    """The FX graph a node list describes; ops are resolved by name like single ops."""
+    if type(nodes) is not list or not nodes or len(nodes) > MAX_NODES:
+        raise ProtocolError("a graph is a non-empty list of nodes")
+    graph = torch.fx.Graph()
+    made: list[torch.fx.Node | None] = []
+    seeded = False
+
+    def arg(x: Any) -> Any:
+        t = type(x)
+        if t is NodeRef:
+            if not 0 <= x.index < len(made) or made[x.index] is None:
+                raise ProtocolError(f"node reference {x.index} is not an earlier node")
+            return made[x.index]
+        if t is list:
+            return [arg(y) for y in x]
+        if t is dict:
+            return {k: arg(v) for k, v in x.items()}
+        return x  # devices arrive already mapped by the session's decoder
+
+    outputs = None
+    for i, node in enumerate(nodes):
+        if type(node) is not list or not node or type(node[0]) is not str:
+            raise ProtocolError(f"graph node {i} is malformed")
+        kind = node[0]
+        if kind == "p" and len(node) == 1:
+            made.append(graph.placeholder(f"in{i}"))
+        elif kind == "c" and len(node) == 4 and type(node[2]) is list and type(node[3]) is dict:
+            try:
+                resolved = resolve(node[1])
+            except OpRefused as e:
+                raise GraphRefused(str(e)) from None
+            seeded = seeded or resolved.seeded or resolved.takes_generator
+            made.append(graph.call_function(resolved.op, tuple(arg(node[2])), arg(node[3])))
+        elif kind == "g" and len(node) == 3 and type(node[1]) is int and type(node[2]) is int:
+            made.append(graph.call_function(operator.getitem, (arg(NodeRef(node[1])), node[2])))
+        elif kind == "o" and len(node) == 2 and type(node[1]) is list:
+            outputs = tuple(arg(node[1]))
+            graph.output(outputs)
+            made.append(None)
+        else:
+            raise ProtocolError(f"graph node {i} ({kind!r}) is malformed")
+    if outputs is None:
+        raise ProtocolError("a graph needs an output node")
+    graph.lint()
+    return torch.fx.GraphModule(torch.nn.Module(), graph), seeded
+
+
+class GraphRefused(Exception):
+    """The graph names an operator this server does not run."""
+
+
+def timed_first_call(graph: Graph, call) -> Any:
+    """Run a graph; the first call of an Inductor graph compiles it: log how long that took."""
+    t0 = time.perf_counter()
+    out = call()
+    if getattr(graph, "_timed", False):
+        return out
+    graph._timed = True  # type: ignore[attr-defined]
+    seconds = time.perf_counter() - t0
+    CACHE.compile_seconds += seconds
+    log.info(
+        "graph %s (%d nodes, %s) ready after %.2f s",
+        graph.key[:12],
+        graph.n_nodes,
+        graph.compiler,
+        seconds,
+    )
+    return out

@@ -1,0 +1,241 @@
+"""Graph shipping: torch.compile(model, backend=rgpu.compile_backend(), dynamic=False).
+
+Compiled forward and backward graphs must equal eager results, ship one graph per direction, cost
+one CALL message per graph call, recompile on a shape change, fall back to eager ops (with one
+warning) for graphs the server cannot take, and be cached by the server across sessions and
+server restarts.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from rgpu_test_servers import ServerProcess
+
+import rgpu
+import rgpu.compile as rc
+from rgpu.models import TinyLM, lm_batch, seed_mlp
+from rgpu.protocol import Kind, NodeRef
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def mse(model, x, y):
+    return (model(x) - y).square().mean()
+
+
+def train(model, loss_fn, x, y, steps, opt_cls=torch.optim.SGD, **opt_kw):
+    opt = opt_cls(model.parameters(), **(opt_kw or {"lr": 0.05}))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_compiled_mlp_training_equals_eager_with_one_graph_per_direction(session, compiler):
+    torch.manual_seed(0)
+    base = seed_mlp()
+    x, y = torch.randn(64, 16).to("rgpu"), torch.randn(64, 1).to("rgpu")
+    eager_model = copy.deepcopy(base).to("rgpu")
+    eager = train(eager_model, mse, x, y, 8)
+    model = copy.deepcopy(base).to("rgpu")
+    before = len(rc.SHIPPED)
+    step = torch.compile(mse, backend=rgpu.compile_backend(compiler=compiler), dynamic=False)
+    compiled = train(model, step, x, y, 8)
+    assert len(rc.SHIPPED) - before == 2  # one forward graph, one backward graph
+    tol = 0 if compiler == "eager" else 1e-5
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=tol, atol=tol)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=tol * 10, atol=tol * 10)
+
+
+def test_a_compiled_step_is_four_messages_and_one_wait_per_item(session):
+    torch.manual_seed(0)
+    model = seed_mlp().to("rgpu")
+    x, y = torch.randn(64, 16).to("rgpu"), torch.randn(64, 1).to("rgpu")
+    step = torch.compile(mse, backend=rgpu.compile_backend(compiler="eager"), dynamic=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):  # warm up: compile and ship
+        opt.zero_grad()
+        step(model, x, y).backward()
+        opt.step()
+    torch.rgpu.synchronize()
+    s0 = rgpu.stats()
+    opt.zero_grad()
+    loss = step(model, x, y)
+    loss.backward()
+    opt.step()
+    s1 = rgpu.stats()
+    # forward CALL, backward CALL, the ones_like that seeds backward, one foreach SGD update
+    assert s1["messages"] - s0["messages"] == 4
+    assert s1["waits"] == s0["waits"]
+    loss.item()
+    assert rgpu.stats()["waits"] - s0["waits"] == 1
+
+
+def test_compiled_transformer_lm_training_equals_eager(session):
+    torch.manual_seed(0)
+    base = TinyLM(vocab=65, width=64, heads=4, layers=2, context=32)
+    x, y = (t.to("rgpu") for t in lm_batch(65, 4, 32, torch.Generator().manual_seed(1)))
+
+    def lm_loss(model, a, b):
+        return model(a, b)[1]
+
+    eager = train(copy.deepcopy(base).to("rgpu"), lm_loss, x, y, 5, torch.optim.AdamW, lr=3e-3)
+    before = len(rc.SHIPPED)
+    cm = torch.compile(
+        copy.deepcopy(base).to("rgpu"),
+        backend=rgpu.compile_backend(compiler="eager"),
+        dynamic=False,
+    )
+    compiled = train(cm, lm_loss, x, y, 5, torch.optim.AdamW, lr=3e-3)
+    assert len(rc.SHIPPED) - before == 2
+    assert compiled == eager  # the eager server compiler runs the same kernels: bit-identical
+    assert compiled[-1] < compiled[0]
+
+
+def test_backend_string_rgpu_works(session):
+    torch.manual_seed(0)
+    model = seed_mlp().to("rgpu")
+    x = torch.randn(8, 16).to("rgpu")
+    cm = torch.compile(model, backend="rgpu", dynamic=False)
+    torch.testing.assert_close(cm(x).cpu(), model(x).cpu())
+
+
+def test_a_shape_change_recompiles_and_stays_correct(session):
+    torch.manual_seed(0)
+    model = seed_mlp().to("rgpu")
+    cm = torch.compile(model, backend=rgpu.compile_backend(compiler="eager"), dynamic=False)
+    before = len(rc.SHIPPED)
+    for batch in (8, 8, 24, 8):
+        x = torch.randn(batch, 16)
+        torch.testing.assert_close(
+            cm(x.to("rgpu")).cpu(), model.cpu()(x) if False else model(x.to("rgpu")).cpu()
+        )
+    assert len(rc.SHIPPED) - before == 2  # batch 8, batch 24 (inference: forward graphs only)
+
+
+def test_a_captured_cpu_tensor_travels_with_the_call(session):
+    const = torch.arange(4.0)
+
+    def f(x):
+        return x * 2 + const.to(x.device)
+
+    cf = torch.compile(f, backend=rgpu.compile_backend(compiler="eager"), dynamic=False)
+    out = cf(torch.ones(4, device="rgpu"))
+    torch.testing.assert_close(out.cpu(), torch.ones(4) * 2 + torch.arange(4.0))
+
+
+@torch.library.custom_op("rgpu_test_compile::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_with_a_python_implementation_is_traced_into_aten_and_shipped(session):
+    cf = torch.compile(
+        lambda x: scaled(x + 1) - 1, backend=rgpu.compile_backend(compiler="eager"), dynamic=False
+    )
+    before = len(rc.SHIPPED)
+    torch.testing.assert_close(cf(torch.ones(4, device="rgpu")).cpu(), torch.full((4,), 5.0))
+    assert len(rc.SHIPPED) == before + 1
+
+
+def test_unshippable_graphs_fall_back_to_eager_ops_with_one_warning(session):
+    def f(x):
+        return (x * x.shape[0]).sum(0)
+
+    # symbolic shapes cannot be allocated ahead on the server: this graph runs as eager ops
+    cf = torch.compile(f, backend=rgpu.compile_backend(compiler="eager"), dynamic=True)
+    rc._warned.clear()
+    with pytest.warns(
+        UserWarning, match="eager remote ops because .*dynamic shapes; compile with dynamic=False"
+    ):
+        out = cf(torch.ones(5, 3, device="rgpu"))
+    torch.testing.assert_close(out.cpu(), torch.full((3,), 25.0))
+    out = cf(torch.ones(7, 3, device="rgpu"))  # no second warning for the same reason
+    torch.testing.assert_close(out.cpu(), torch.full((3,), 49.0))
+
+
+def test_a_bare_torch_compile_points_to_compile_backend(session):
+    model = seed_mlp().to("rgpu")
+    cm = torch.compile(model)
+    with pytest.raises(Exception, match=r"backend=rgpu\.compile_backend\(\)"):
+        cm(torch.randn(4, 16).to("rgpu"))
+
+
+def test_a_graph_the_server_cannot_compile_is_a_remote_error_and_the_session_goes_on(session):
+    nodes = [["p"], ["c", "from_file.default", ["/etc/passwd"], {}], ["o", [NodeRef(1)]]]
+    x = torch.ones(3, device="rgpu")
+    session.post((Kind.COMPILE, "bad-graph", nodes, "eager", None))
+    out_id = 10**13
+    session.post((Kind.CALL, "bad-graph", [x], [out_id]))
+    with pytest.raises(rgpu.RemoteError, match="not allowed on an rgpu server"):
+        torch.rgpu.synchronize()
+    assert (x + 1).sum().item() == 6.0
+
+
+def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path):
+    code = """
+        import sys, torch, rgpu
+        from rgpu.models import seed_mlp
+        rgpu.connect(sys.argv[1])
+        torch.manual_seed(0)
+        model = seed_mlp().to("rgpu")
+        x = torch.randn(8, 16).to("rgpu")
+        cm = torch.compile(model, backend=rgpu.compile_backend(compiler="inductor"), dynamic=False)
+        print(cm(x).sum().item())
+        print(rgpu.session_info()["compile"])
+    """
+    cache = tmp_path / "cache"
+
+    def run_client(url):
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), url],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        value, counters = out.stdout.strip().splitlines()[-2:]
+        return float(value), eval(counters)
+
+    srv = ServerProcess("--compile-cache-dir", str(cache))
+    try:
+        v1, c1 = run_client(srv.url)
+        v2, c2 = run_client(srv.url)  # a second notebook, same server: no new compile
+        assert v1 == v2
+        assert (
+            c2["graphs_built"] == c1["graphs_built"]
+            and c2["graphs_reused"] == c1["graphs_reused"] + 1
+        )
+    finally:
+        srv.stop()
+    srv = ServerProcess(
+        "--compile-cache-dir", str(cache)
+    )  # a restarted server: Inductor's disk cache
+    try:
+        v3, c3 = run_client(srv.url)
+        assert v3 == v1
+        assert c3["graphs_built"] == 1 and c3["inductor_cache_hits"] >= 1
+    finally:
+        srv.stop()
