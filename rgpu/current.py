@@ -7,7 +7,10 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Mapping
+from typing import Any
 
+from . import ssh
 from .errors import ConnectError
 from .local_server import EmbeddedServer
 from .protocol import Kind
@@ -34,16 +37,25 @@ def _normalise_url(url: str) -> str:
     scheme = url.split("://", 1)[0].lower()
     if scheme not in ("ws", "wss"):
         raise ConnectError(
-            f"rgpu servers are reached over ws:// or wss://, not {scheme}:// ({url})"
+            f"rgpu servers are reached over ws:// or wss:// (or ssh://), not {scheme}:// ({url})"
         )
     return url
 
 
-def connect(url: str | None = None, *, token: str | None = None, timeout: float = 10.0) -> Session:
+def connect(
+    url: str | None = None,
+    *,
+    token: str | None = None,
+    timeout: float = 10.0,
+    ssh_options: Mapping[str, Any] | None = None,
+) -> Session:
     """Connect to an rgpu server and make it the current session.
 
-    `url` is ``ws://host:port`` (or ``wss://``), ``host:port``, or ``"local"`` to start an embedded
-    server on this machine. Without `url`, ``RGPU_SERVER`` is used, and without that, ``"local"``.
+    `url` is ``ws://host:port`` (or ``wss://``), ``host:port``, ``"local"`` to start an embedded
+    server on this machine, or ``ssh://user@host[:sshport]`` to tunnel to a GPU host over SSH,
+    starting a server there if none runs (query or `ssh_options`: port, identity, start, device,
+    server_command, token_file, ssh_command; see rgpu.ssh). Without `url`, ``RGPU_SERVER`` is
+    used, and without that, ``"local"``.
     `token` defaults to ``RGPU_TOKEN``. Connecting again ends the previous session, and with it
     every rgpu tensor it held.
     """
@@ -65,6 +77,10 @@ def connect(url: str | None = None, *, token: str | None = None, timeout: float 
                 f"started an embedded rgpu server at {server.url} on {session.device} "
                 f"({session.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
             )
+        elif target.lower().startswith("ssh://"):
+            session = ssh.open_session(target, token=token, timeout=timeout, options=ssh_options)
+            if session.transport.server is not None:
+                announce(f"connected over SSH: {session.transport.describe()}")
         else:
             session = Session(_normalise_url(target), token=token, open_timeout=timeout)
         if _pending_seed is not None:

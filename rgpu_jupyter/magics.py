@@ -79,7 +79,10 @@ class RgpuMagics(Magics, Configurable):
         help="what to do (see above)",
     )
     @argument(
-        "target", nargs="?", default=None, help="for connect: ws://HOST:PORT, HOST:PORT or local"
+        "target",
+        nargs="?",
+        default=None,
+        help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST or local",
     )
     @argument(
         "--token", default=None, help="for connect: the server's token (default: $RGPU_TOKEN)"
@@ -94,7 +97,8 @@ class RgpuMagics(Magics, Configurable):
 
         %rgpu connect [URL | local] [--token T]
             Connect (same rules as rgpu.connect: no URL means $RGPU_SERVER, else an embedded
-            local server) and print the server, its device and the round-trip time; then show
+            local server; ssh://user@host tunnels over SSH, starting a server there if none
+            runs) and print the server, its device and the round-trip time; then show
             the live widget (unless %config RgpuMagics.widget = False).
         %rgpu disconnect
             End the session; its tensors are freed on the server.
@@ -137,9 +141,10 @@ class RgpuMagics(Magics, Configurable):
         target = args.target
         if target and target != "local" and "://" in target:
             scheme = target.split("://", 1)[0].lower()
-            if scheme not in ("ws", "wss"):  # refuse before rgpu.connect ends the current session
+            if scheme not in ("ws", "wss", "ssh"):  # refuse before connect ends the current session
                 raise UsageError(
-                    f"rgpu: servers are reached over ws:// or wss://, not {scheme}:// ({target})"
+                    f"rgpu: servers are reached over ws:// or wss:// (or ssh://), not {scheme}:// "
+                    f"({target})"
                 )
         try:
             session = rgpu.connect(args.target, token=args.token)

@@ -51,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the token clients must send (default: RGPU_TOKEN, else a random one)",
     )
     auth.add_argument(
+        "--token-file",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE",
+        help="write the token to FILE (mode 0600; default ~/.config/rgpu/token-PORT) instead of "
+        "printing it, for clients that reach this host over SSH (rgpu.connect('ssh://host'))",
+    )
+    auth.add_argument(
         "--no-token",
         action="store_true",
         help="accept clients without a token (only on a loopback address)",
@@ -97,6 +106,21 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def write_token_file(path: str, token: str) -> None:
+    """Write the token readable by this user only: a fresh file (no symlink followed) replaces
+    the old one atomically, so no reader ever sees a partial or wider-moded token."""
+    os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     server = RgpuServer(config)
 
     def on_ready(srv: RgpuServer) -> None:
-        if generated:  # printed, not logged: it must show at any --log-level
+        if args.token_file is not None and token is not None:
+            port = srv.url.rsplit(":", 1)[1]
+            path = args.token_file or os.path.expanduser(f"~/.config/rgpu/token-{port}")
+            write_token_file(path, token)
+            print(f"rgpu-server: the token is in {path}", file=sys.stderr, flush=True)
+        elif generated:  # printed, not logged: it must show at any --log-level
             print(
                 f'rgpu-server: clients connect with:  rgpu.connect("{srv.url}/?token={token}")',
                 file=sys.stderr,
