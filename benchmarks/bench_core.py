@@ -18,6 +18,8 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
+from typing import IO
 
 import torch
 from _common import Remote, emit, header, log, pin_client, pin_plan, pinned_preexec, run_all
@@ -25,17 +27,25 @@ from _common import Remote, emit, header, log, pin_client, pin_plan, pinned_pree
 import rgpu
 
 
-def start_server(cpus: set[int] | None) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    cpus: set[int] | None,
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    log_file: IO[str] | None = None,
+) -> tuple[subprocess.Popen[str], str]:
     """Start a CPU rgpu server on a free loopback port (on `cpus`); return it and its URL.
 
-    Server and client share a fresh token through RGPU_TOKEN."""
+    Server and client share a fresh token through RGPU_TOKEN. `extra` adds server flags, `env`
+    environment variables, and `log_file` receives the server's log (stderr; dropped without it).
+    """
     os.environ.setdefault("RGPU_TOKEN", secrets.token_urlsafe(24))
     cmd = [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", "0", "--announce"]
     proc = subprocess.Popen(
-        cmd,
+        [*cmd, *extra],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=log_file if log_file is not None else subprocess.DEVNULL,
         text=True,
+        env={**os.environ, **env} if env else None,
         preexec_fn=pinned_preexec(cpus) if cpus else None,
     )
     assert proc.stdout is not None

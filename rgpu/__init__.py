@@ -32,6 +32,7 @@ __all__ = [
     "current_session",
     "compile_backend",
     "settings",
+    "Event",
     "RemoteTensor",
     "RgpuError",
     "RemoteError",
@@ -51,28 +52,28 @@ if not _IN_SERVER:
     from .compile import compile_backend
     from .current import connect, disconnect
     from .current import get as _get_session
+    from .device_module import Event
     from .progress import settings
     from .tensor import RemoteTensor
 
     _registration.register()
 
     def stats() -> dict:
-        """Counters of the current session: messages, waits, bytes_out, bytes_in, frames, wait_seconds.
+        """Counters of the current session: messages, waits, bytes, frames, wait_seconds, ...
 
         A *message* is one op or request in the stream; a *wait* is a point where this process
-        blocked for the server's answer. Zeros when not connected.
+        blocked for the server's answer; `bytes_out` is what went on the wire (after any op-stream
+        compression). Zeros when not connected.
         """
         session = _get_session()
         if session is None:
-            return {
-                "reconnects": 0,
-                "messages": 0,
-                "waits": 0,
-                "bytes_out": 0,
-                "bytes_in": 0,
-                "frames": 0,
-                "wait_seconds": 0.0,
-            }
+            zeros = dict.fromkeys(
+                ("messages", "waits", "bytes_out", "bytes_in", "frames", "reconnects",
+                 "async_readbacks", "dedup_hits", "dedup_bytes_saved", "compressed_frames",
+                 "compression_saved"),
+                0,
+            )  # fmt: skip
+            return {**zeros, "wait_seconds": 0.0}
         return session.stats()
 
     def current_session():

@@ -9,6 +9,7 @@ import inspect
 import os
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -136,6 +137,7 @@ class Connection:
                 "host (and an SSH tunnel if it is remote), or use rgpu.connect('local')."
             ) from None
         try:
+            hello_sent = time.perf_counter()
             self.ws.send(
                 hello_frame(
                     {
@@ -149,6 +151,8 @@ class Connection:
             first = self.ws.recv(timeout=HANDSHAKE_TIMEOUT)
             if isinstance(first, str):
                 raise ProtocolError("the server sent a text frame")
+            # one round trip over the real path (through any tunnel or proxy): the link's RTT
+            self.handshake_rtt_s = time.perf_counter() - hello_sent
             welcome = parse_handshake(first, Frame.WELCOME)
         except (ConnectionClosed, ProtocolError, TimeoutError) as e:
             self.ws.close()

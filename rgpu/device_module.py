@@ -53,7 +53,7 @@ class device:
 
 def synchronize(device: object = None) -> None:
     """Wait until the server has run everything sent so far (one wait)."""
-    _cur.current().request((Kind.SYNC,))
+    _cur.current().synchronize()
 
 
 def manual_seed(seed: int) -> None:
@@ -110,6 +110,64 @@ def seed_all() -> None:
     seed()
 
 
+class Event:
+    """A marker in the op stream, like `torch.cuda.Event`: `record()` costs no wait.
+
+    `query()` says whether the server has run everything sent before the record;
+    `synchronize()` waits for that (one wait, none if it is already known). With
+    `enable_timing=True`, `elapsed_time(end)` gives milliseconds between two records measured
+    on the server's clock, once both are done. A record makes the server let its device go
+    idle at that point, so record around work you time, not inside a hot loop.
+    """
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        if interprocess:
+            raise ValueError("rgpu events cannot be shared between processes")
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self._waiter = None
+        self._session = None
+
+    def record(self, stream: object = None) -> None:
+        session = _cur.current()
+        self._session = session
+        self._waiter = session.record_event()
+
+    def query(self) -> bool:
+        """True when everything before the record has run (an unrecorded event is done)."""
+        if self._waiter is None:
+            return True
+        if not self._waiter.event.is_set():
+            return False
+        self.synchronize()  # no wait: raises if the work before it failed
+        return True
+
+    def synchronize(self) -> None:
+        if self._waiter is not None:
+            self._session.wait_for(self._waiter)
+            self._session.check_async_error()
+
+    def wait(self, stream: object = None) -> None:
+        """Make later work wait for this event: the op stream is already in order, so nothing to do."""
+
+    def elapsed_time(self, end_event: Event) -> float:
+        """Milliseconds between this record and `end_event`'s, on the server's clock."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("both events must be created with enable_timing=True")
+        for e in (self, end_event):
+            if e._waiter is None:
+                raise RuntimeError("both events must be recorded before calling elapsed_time()")
+            if not e._waiter.event.is_set():
+                raise RuntimeError(
+                    "an event has not completed yet; call synchronize() on it before elapsed_time()"
+                )
+        start = self._session.wait_for(self._waiter)
+        end = end_event._session.wait_for(end_event._waiter)
+        return (float(end) - float(start)) * 1000.0
+
+
 def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 
@@ -121,5 +179,6 @@ for _name in (
     "set_device", "synchronize", "manual_seed", "manual_seed_all", "get_device_name",
     "memory_allocated", "get_amp_supported_dtype", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "initial_seed", "seed", "seed_all", "device",
+    "Event",
 ):  # fmt: skip
     setattr(module, _name, globals()[_name])

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from . import current as _cur
 from . import tensor as _tensor
 from .protocol import Kind, TensorMeta, ref_ext
+from .session import dense_strides
 from .tensor import (
     TRACED,
     Handle,
@@ -545,6 +546,8 @@ def _to_copy(func, info, args, kwargs):
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
         x = args[0]
+        if kwargs.get("non_blocking"):
+            return _to_cpu_async(x, kwargs)
         out = (_cur._current or _cur.current()).download(x)
         dtype = kwargs.get("dtype")
         memory_format = kwargs.get("memory_format")
@@ -557,6 +560,27 @@ def _to_copy(func, info, args, kwargs):
         return out
     _check_device_index(device)
     return _generic(func, info, args, kwargs)
+
+
+def _to_cpu_async(x: RemoteTensor, kwargs: dict) -> torch.Tensor:
+    """`x.to("cpu", non_blocking=True)`: a CPU tensor now, its values once the reply lands.
+
+    As with CUDA, read it after `torch.rgpu.synchronize()` or an `rgpu.Event` recorded later;
+    a dtype or layout change runs on the server first, so the readback itself stays one copy.
+    """
+    dtype = kwargs.get("dtype")
+    memory_format = kwargs.get("memory_format")
+    if (dtype is not None and dtype != x.dtype) or (
+        memory_format is not None and memory_format != torch.preserve_format
+    ):
+        x = dispatch(aten._to_copy.default, (x,), {"dtype": dtype, "memory_format": memory_format})
+    shape, stride = tuple(x.shape), x.stride()
+    target = (
+        torch.empty_strided(shape, stride, dtype=x.dtype)
+        if dense_strides(shape, stride)
+        else torch.empty(shape, dtype=x.dtype)
+    )
+    return (_cur._current or _cur.current()).download_async(x, into=target)
 
 
 def _generic(func, info, args, kwargs):
@@ -581,10 +605,29 @@ def _copy(func, info, args, kwargs):
     if isinstance(dst, RemoteTensor) and not isinstance(src, RemoteTensor):
         return upload_into(dst, src)
     if isinstance(src, RemoteTensor) and not isinstance(dst, RemoteTensor):
-        with torch.no_grad():
-            dst.copy_((_cur._current or _cur.current()).download(src))
-        return dst
+        return _copy_to_cpu(dst, src, bool(kwargs.get("non_blocking", False)))
     return _generic(func, info, args, kwargs)
+
+
+def _copy_to_cpu(dst: torch.Tensor, src: RemoteTensor, non_blocking: bool) -> torch.Tensor:
+    sess = _cur._current or _cur.current()
+    if dst.device.type != "cpu":
+        raise RuntimeError(f"cannot copy an rgpu tensor to {dst.device} directly; copy to the CPU")
+    try:
+        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(
+            f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b "
+            f"({list(src.shape)}) for copy_ from an rgpu tensor"
+        )
+    if non_blocking:
+        sess.download_async(src, into=dst)  # filled on arrival, like a CUDA device-to-host copy
+        return dst
+    with torch.no_grad():
+        dst.copy_(sess.download(src))
+    return dst
 
 
 def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
@@ -649,9 +692,7 @@ def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) 
     if isinstance(dst, RemoteTensor) and not isinstance(src, RemoteTensor):
         return upload_into(dst, src)
     if isinstance(src, RemoteTensor) and not isinstance(dst, RemoteTensor):
-        sess = _cur._current or _cur.current()
-        dst.copy_(sess.download(src))
-        return dst
+        return _copy_to_cpu(dst, src, non_blocking)
     return dispatch(aten.copy_.default, (dst, src), {})
 
 

@@ -9,6 +9,7 @@ the server computes while the client is still issuing ops.
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
 import threading
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import dedup
 from .connection import Connection, split_token
 from .errors import (
     AuthError,
@@ -40,6 +42,7 @@ from .protocol import (
     batch_frame,
     byte_view,
     chunk_frame,
+    compress_batch,
     default,
     host_ext,
     parse_ack,
@@ -52,11 +55,33 @@ from .writer import FrameWriter
 
 log = logging.getLogger("rgpu")
 
+_RUN = int(Kind.RUN)
 INLINE_UPLOAD = 256 * 1024  # uploads up to this size ride inside the op stream
 UPLOAD_CHUNK = 1 << 20  # small enough that an interrupted upload stops within one chunk
 ABORT_OFFSET = (1 << 64) - 1  # a CHUNK at this offset cancels the upload it belongs to
 FREE_BYTES = 1 << 20  # freed tensors holding this much go to the server before the next op...
 FREE_COUNT = 1024  # ...and so do this many; otherwise frees ride along with the next wait
+
+
+COMPRESS_MIN_BYTES = 256  # smaller batches gain too little to be worth compressing
+SLOW_LINK_RTT_S = 0.010  # a link with a longer round trip is a WAN: compress batches...
+SLOW_LINK_BPS = 50e6  # ...and so is one measured below 400 Mbit/s
+LINK_PROBE_BYTES = 1 << 20  # downloads this large measure the link's throughput
+
+
+def _compress_mode() -> str:
+    """RGPU_COMPRESS: "auto" (the default: when the link is measured slow), "on" or "off"."""
+    raw = os.environ.get("RGPU_COMPRESS", "auto").strip().lower()
+    if raw in ("", "auto"):
+        return "auto"
+    if raw in ("1", "on", "yes", "true", "always"):
+        return "on"
+    if raw in ("0", "off", "no", "false", "never"):
+        return "off"
+    raise RgpuError(
+        f"RGPU_COMPRESS={raw!r} is not understood: use auto (compress the op stream when the link "
+        "is measured slow), 1 (always) or 0 (never)"
+    )
 
 
 def _env_int(name: str, default: int) -> int:
@@ -90,7 +115,17 @@ def _encode_hook(obj: Any) -> Any:
 class Waiter:
     """One waited message: the reply, and where DATA frames for it go."""
 
-    __slots__ = ("event", "status", "value", "sink", "received", "on_abandoned")
+    __slots__ = (
+        "event",
+        "status",
+        "value",
+        "sink",
+        "received",
+        "on_abandoned",
+        "on_done",
+        "seq",
+        "done_at",
+    )
 
     def __init__(self, sink: Callable[[int, memoryview], None] | None = None) -> None:
         self.event = threading.Event()
@@ -99,10 +134,16 @@ class Waiter:
         self.sink = sink
         self.received = 0  # DATA bytes routed to the sink so far
         self.on_abandoned: Callable[[Status, Any], None] | None = None  # a reply nobody waits for
+        self.on_done: Callable[[Waiter], None] | None = None  # runs on the reader thread
+        self.seq = 0
+        self.done_at = 0.0
 
     def finish(self, status: Status, value: Any) -> None:
         self.status = status
         self.value = value
+        self.done_at = time.perf_counter()
+        if self.on_done is not None:
+            self.on_done(self)
         self.event.set()
 
 
@@ -142,11 +183,19 @@ class Session:
         self.frames = 0
         self.wait_seconds = 0.0
         self.reconnects = 0
+        self.async_readbacks = 0  # non-blocking copies to the CPU (they need no wait)
+        # op-stream compression (tensor bytes are never compressed: floats barely shrink)
+        self.compress_mode = _compress_mode()
+        self.compressed_frames = 0
+        self.compression_saved = 0  # bytes the compressed batches did not put on the wire
+        self.link_rtt_s = 0.0  # measured: the handshake, then every ping
+        self.link_bps: float | None = None  # measured: the last download of a megabyte or more
         # The queue: messages _first_seq, _first_seq + 1, ... not yet handed to the writer. A
         # message's sequence number is its position, never a separate counter, so an interrupt
         # between two statements cannot make numbers and messages disagree.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._pending_has_data = False  # an inline upload is queued: its batch is not compressed
         self._first_seq = 1
         self._replay = ReplayBuffer(_env_int("RGPU_REPLAY_BYTES", 256 << 20))
         self._waiters: dict[int, Waiter] = {}
@@ -154,6 +203,7 @@ class Session:
         # waited messages without a reply yet: sent again after a reconnect even if the server
         # applied them, so it resends a reply the dropped connection swallowed
         self._unanswered: dict[int, bytes] = {}
+        self._async_error: BaseException | None = None  # from a non-blocking readback
         self._broken: BaseException | None = None
         self._reconnecting = False
         self._state_lock = threading.Lock()
@@ -175,6 +225,7 @@ class Session:
         self.flush_bytes = min(self.flush_bytes, self.max_message // 2)
         self._writer = self._new_writer(self.conn)
         self.graphs: set[str] = set()  # compiled graphs this session already sent (by content key)
+        self.uploads = dedup.UploadIndex()  # what the server holds, by content, for dedup
         self._quiet = threading.Thread(
             target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
         )
@@ -197,14 +248,58 @@ class Session:
             resume=resume,
         )
         mine.append(conn)
+        self.link_rtt_s = self._measure_rtt(conn)
+        self._server_zlib = "zlib" in (conn.welcome.get("compress") or ())
         return conn
+
+    @staticmethod
+    def _measure_rtt(conn: Connection) -> float:
+        """The link's round trip: the lower of the handshake's and one websocket ping's (the
+        handshake alone also counts the server setting up the session)."""
+        rtt = conn.handshake_rtt_s
+        t0 = time.perf_counter()
+        try:
+            if conn.ws.ping().wait(min(5.0, 10 * rtt + 0.1)):
+                rtt = min(rtt, time.perf_counter() - t0)
+        except Exception:  # the link dropped already: the reconnect logic takes it from here
+            pass
+        return rtt
 
     def _new_writer(self, conn: Connection) -> FrameWriter:
         def failed(exc: BaseException) -> None:
             if self.conn is conn:
                 self._connection_lost(exc)
 
-        return FrameWriter(conn.send, failed)
+        return FrameWriter(conn.send, failed, self._wire_form)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether batches go out compressed now: when asked (RGPU_COMPRESS=1) or, by default,
+        when the link is measured slow (a long round trip or a low throughput); the op stream
+        shrinks several-fold, so that is where compressing pays."""
+        if not self._server_zlib or self.compress_mode == "off":
+            return False
+        if self.compress_mode == "on":
+            return True
+        bps = self.link_bps
+        return self.link_rtt_s >= SLOW_LINK_RTT_S or (bps is not None and bps < SLOW_LINK_BPS)
+
+    def _wire_form(self, frame: bytes | list) -> bytes | list:
+        """The form a compressible frame goes out in (on the writer thread): a batch compressed
+        when that pays."""
+        if (
+            type(frame) is not bytes
+            or len(frame) < COMPRESS_MIN_BYTES
+            or frame[0] != Frame.BATCH
+            or not self.compressing
+        ):
+            return frame
+        packed = compress_batch(frame)
+        if packed is None:
+            return frame
+        self.compressed_frames += 1
+        self.compression_saved += len(frame) - len(packed)
+        return packed
 
     # -- the queue ---------------------------------------------------------------------------
 
@@ -245,6 +340,8 @@ class Session:
     def post(self, msg: tuple) -> None:
         """Queue a message that needs no answer."""
         flow = False
+        if self.uploads._unsettled:  # before this op can change a tensor an upload went into
+            self.uploads.settle()
         with self.lock:
             if self._broken is not None or self.closed:
                 self._check_usable()
@@ -299,7 +396,8 @@ class Session:
         first = self._first_seq
         # kept for replay first, then sent: a connection can drop at any moment after this
         self._replay.add(first, pending, self._pending_bytes, upload)
-        self._send(batch_frame(first, pending))
+        self._send(batch_frame(first, pending), compressible=not self._pending_has_data)
+        self._pending_has_data = False
         # only now forget the messages: if an interrupt lands before this line, they go out again
         # with the same numbers, and the server drops what it already applied
         self._first_seq = first + len(pending)
@@ -312,14 +410,14 @@ class Session:
         while not self._replay.wait_below_limit(0.1):
             self._check_usable()
 
-    def _send(self, frame: bytes | list, tag: object = None) -> int:
+    def _send(self, frame: bytes | list, tag: object = None, compressible: bool = False) -> int:
         """Hand a frame to the writer thread; returns its ticket (0 while reconnecting: the
-        replay after the reconnect sends it)."""
+        replay after the reconnect sends it). A `compressible` frame holds no tensor bytes."""
         self._check_usable()
         if self._reconnecting:
             return 0
         nbytes = len(frame) if type(frame) is bytes else sum(len(b) for b in frame)
-        ticket = self._writer.queue(frame, nbytes, tag)
+        ticket = self._writer.queue(frame, nbytes, tag, compressible)
         self.frames += 1
         return ticket
 
@@ -363,30 +461,71 @@ class Session:
         Ctrl-C returns at once; the reply, when it comes, goes to `on_abandoned` (so, e.g., the
         outputs of an abandoned data-dependent op get freed) and the session stays usable.
         """
-        waiter = Waiter(sink)
+        self.check_async_error()
+        waiter = self.request_async(msg, sink)
         waiter.on_abandoned = on_abandoned
+        return self.wait_for(waiter, progress)
+
+    def request_async(
+        self,
+        msg: tuple,
+        sink: Callable[[int, memoryview], None] | None = None,
+        *,
+        on_done: Callable[[Waiter], None] | None = None,
+        detached: bool = False,
+    ) -> Waiter:
+        """Queue a waited message and send everything, without waiting: the reply fills the
+        returned Waiter (non-blocking readback, events).
+
+        `on_done` runs on the reader thread as the reply lands. A `detached` waiter is one that
+        nobody may ever wait for: a lost connection does not wake it, its reply is still routed.
+        """
+        waiter = Waiter(sink)
+        waiter.on_done = on_done
+        if self.uploads._unsettled:
+            self.uploads.settle()
         with self.lock:
             self._check_usable()
             self._drain_frees_locked()  # so a waited INFO sees memory the client already let go
             seq = self._append_locked(msg)
-            self._waiters[seq] = waiter
+            waiter.seq = seq
+            (self._abandoned if detached else self._waiters)[seq] = waiter
             self._unanswered[seq] = self._pending[-1]
             self._flush_locked()
-        self.waits += 1
-        t0 = time.perf_counter()
-        try:
-            self._wait(seq, waiter, progress)
-        finally:
-            self.wait_seconds += time.perf_counter() - t0
+        return waiter
+
+    def wait_for(self, waiter: Waiter, progress: TransferProgress | None = None) -> Any:
+        """Block until `waiter` has its reply (one wait, unless it is already there)."""
+        if not waiter.event.is_set():
+            self.waits += 1
+            t0 = time.perf_counter()
+            try:
+                self._wait(waiter.seq, waiter, progress)
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
         status = waiter.status
         if status is Status.OK:
             return waiter.value
         if status is Status.ERROR:
+            if getattr(self._async_error, "rgpu_seq", None) == waiter.seq:
+                self._async_error = None  # reported here, not again at the next wait
             op, message = waiter.value
             raise RemoteError(str(op), str(message))
         if status is None:  # woken by a lost connection
             self._check_usable()
         raise ProtocolViolation(f"the rgpu server could not understand this client: {waiter.value}")
+
+    def synchronize(self) -> None:
+        """Wait until the server has run everything sent so far (one wait); raise a failure of
+        a non-blocking readback sent before, which has landed by then (replies come in order)."""
+        self.request((Kind.SYNC,))
+        self.check_async_error()
+
+    def check_async_error(self) -> None:
+        """A non-blocking readback that failed reports at the next wait, once (as CUDA does)."""
+        if self._async_error is not None:
+            error, self._async_error = self._async_error, None
+            raise error
 
     def _wait(self, seq: int, waiter: Waiter, progress: TransferProgress | None) -> None:
         try:
@@ -425,7 +564,11 @@ class Session:
                 return
             with self.lock:
                 waiter = self._abandoned.pop(seq, None)
-            if waiter is not None and waiter.on_abandoned is not None:
+            if waiter is None:
+                return
+            if waiter.on_done is not None:  # a non-blocking readback or an event
+                waiter.finish(status, value)
+            elif waiter.on_abandoned is not None:
                 waiter.on_abandoned(status, value)
         elif kind == Frame.DATA:
             seq, offset, payload = parse_chunk(frame)
@@ -528,16 +671,21 @@ class Session:
         if batch:
             self._send(batch_frame(first, batch))
 
-    def _send_chunks(self, seq: int, upload: ChunkedUpload, tag: object = None) -> None:
+    def _send_chunks(
+        self, seq: int, upload: ChunkedUpload, tag: object = None, hasher: Any = None
+    ) -> None:
+        """Queue an upload's chunks; `hasher`, if given, hashes each chunk while the writer thread
+        sends the ones before it (hashlib releases the GIL), for content addressing."""
         if not upload.unchanged():  # its source changed since: cancel rather than send other bytes
             self._send(chunk_frame(Frame.CHUNK, seq, ABORT_OFFSET, b""))
             return
         data = byte_view(upload.src)
         chunk = self.max_chunk
         for off in range(0, upload.nbytes, chunk):
-            upload.ticket = self._send(
-                chunk_frame(Frame.CHUNK, seq, off, data[off : off + chunk]), tag
-            )
+            piece = data[off : off + chunk]
+            upload.ticket = self._send(chunk_frame(Frame.CHUNK, seq, off, piece), tag)
+            if hasher is not None:
+                hasher.update(piece)
         upload.writer = self._writer
 
     def _mark_broken(self, exc: BaseException) -> None:
@@ -552,9 +700,27 @@ class Session:
         """Copy a CPU tensor's bytes into `dst` on the server; the bytes are taken now."""
         src = src.detach().resolve_conj().resolve_neg().contiguous()
         nbytes = src.numel() * src.element_size()
+        index = self.uploads
+        index.settle()
+        sha = None
+        if dedup.ENABLED and nbytes >= dedup.MIN_BYTES:
+            if index.worth_hashing(src) or nbytes <= INLINE_UPLOAD:
+                sha = dedup.digest(byte_view(src))
+                holder = index.find(src, sha)
+                if holder is not None and holder is not dst:
+                    # the server already has these bytes in `holder`: copy there, send nothing
+                    self.post((_RUN, "copy_.default", [dst, holder], None, [None]))
+                    index.hits += 1
+                    index.bytes_saved += nbytes
+                    index.remember(dst, src, sha)
+                    return
         if nbytes <= INLINE_UPLOAD:
+            self._pending_has_data = True  # before post(), which may flush
             self.post((Kind.UPLOAD, dst, src))
+            if sha is not None:
+                index.remember(dst, src, sha)
             return
+        hasher = hashlib.sha256() if dedup.ENABLED and sha is None else None
         tag = object()  # marks this upload's chunks in the writer's queue
         upload = ChunkedUpload(src, src._version, nbytes)
         progress = TransferProgress(nbytes, "rgpu upload")
@@ -567,7 +733,7 @@ class Session:
                 self.bytes_out += nbytes
                 try:
                     self._flush_locked(upload)
-                    self._send_chunks(seq, upload, tag)
+                    self._send_chunks(seq, upload, tag, hasher)
                 except BaseException:
                     self._cancel_upload(seq, tag)
                     raise
@@ -590,6 +756,8 @@ class Session:
                 with self.lock:
                     self._cancel_upload(seq, tag)
                 raise
+            if dedup.ENABLED:
+                index.remember(dst, src, sha if sha is not None else hasher.digest())
         finally:
             progress.close()
 
@@ -610,25 +778,77 @@ class Session:
         flat = torch.empty(numel, dtype=dtype)
         nbytes = numel * flat.element_size()
         view = byte_view(flat)
+        timing = [0.0, 0.0, 0]  # first DATA frame's arrival, the last one's, the first's size
 
         def sink(offset: int, payload: memoryview) -> None:
+            if timing[2]:
+                timing[1] = time.perf_counter()
+            else:
+                timing[0], timing[2] = time.perf_counter(), len(payload)
             view[offset : offset + len(payload)] = payload
 
         value = self.request(
             (Kind.DOWNLOAD, w), sink, progress=TransferProgress(nbytes, "rgpu download")
         )
-        if type(value) is bytes:
-            if len(value) != nbytes:
-                raise ProtocolViolation(f"download of {nbytes} bytes returned {len(value)}")
-            if nbytes:
-                view[:] = value
-        elif value != nbytes:
-            raise ProtocolViolation(f"download of {nbytes} bytes returned {value}")
+        _fill(view, nbytes, value)
+        if nbytes >= LINK_PROBE_BYTES and timing[1] > timing[0]:
+            # the pace of the data itself, not the wait for the ops before it
+            self.link_bps = (nbytes - timing[2]) / (timing[1] - timing[0])
         out = flat.view(shape)
         stride = w.stride()
-        if out.stride() != stride and _dense(shape, stride):
+        if out.stride() != stride and dense_strides(shape, stride):
             out = torch.empty_strided(shape, stride, dtype=dtype).copy_(out)
         return out
+
+    def download_async(self, w: RemoteTensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Non-blocking readback: a CPU tensor returned now and filled when the reply arrives.
+
+        Read it after `torch.rgpu.synchronize()` or once an `rgpu.Event` recorded after this
+        call reports done; a failure is raised at the next wait. No wait is spent here."""
+        numel = w.numel()
+        target = into if into is not None else torch.empty(tuple(w.shape), dtype=w.dtype)
+        direct = target.is_contiguous() and target.dtype == w.dtype and target.numel() == numel
+        flat = target.reshape(-1) if direct else torch.empty(numel, dtype=w.dtype)
+        nbytes = numel * flat.element_size()
+        view = byte_view(flat)
+
+        def sink(offset: int, payload: memoryview) -> None:
+            view[offset : offset + len(payload)] = payload
+
+        def done(waiter: Waiter) -> None:  # the reader thread, as the reply lands
+            try:
+                if waiter.status is Status.OK:
+                    _fill(view, nbytes, waiter.value)
+                    if not direct:
+                        target.copy_(flat.view(tuple(w.shape)))
+                elif waiter.status is Status.ERROR:
+                    self._note_async_error(waiter)
+            except Exception as e:
+                self._async_error = e
+
+        self.check_async_error()
+        self.request_async((Kind.DOWNLOAD, w), sink, on_done=done, detached=True)
+        self.async_readbacks += 1
+        return target
+
+    def record_event(self) -> Waiter:
+        """A marker in the op stream: its waiter finishes once the server has run everything
+        before it; the reply carries the server's clock then (for `Event.elapsed_time`)."""
+
+        def done(waiter: Waiter) -> None:
+            if waiter.status is Status.ERROR:
+                self._note_async_error(waiter)
+
+        self.check_async_error()
+        return self.request_async((Kind.SYNC,), on_done=done, detached=True)
+
+    def _note_async_error(self, waiter: Waiter) -> None:
+        """Keep the first failure of a reply nobody waited for, to raise at the next wait."""
+        if self._async_error is None:
+            op, message = waiter.value
+            error = RemoteError(str(op), str(message))
+            error.rgpu_seq = waiter.seq
+            self._async_error = error
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -676,21 +896,38 @@ class Session:
             raise ConnectionLost(
                 f"the rgpu server at {self.url} did not answer a ping within {timeout} s"
             )
-        return time.perf_counter() - t0
+        self.link_rtt_s = time.perf_counter() - t0
+        return self.link_rtt_s
 
     def stats(self) -> dict:
         return {
             "messages": self.messages,
             "waits": self.waits,
-            "bytes_out": self.bytes_out,
+            "bytes_out": self.bytes_out - self.compression_saved,  # on the wire
             "bytes_in": self.bytes_in,
             "frames": self.frames,
             "wait_seconds": self.wait_seconds,
             "reconnects": self.reconnects,
+            "async_readbacks": self.async_readbacks,
+            "dedup_hits": self.uploads.hits,
+            "dedup_bytes_saved": self.uploads.bytes_saved,
+            "compressed_frames": self.compressed_frames,
+            "compression_saved": self.compression_saved,
         }
 
 
-def _dense(shape: tuple, stride: tuple) -> bool:
+def _fill(view: memoryview, nbytes: int, value: Any) -> None:
+    """Finish a download: an inline reply carries the bytes, a chunked one their count."""
+    if type(value) is bytes:
+        if len(value) != nbytes:
+            raise ProtocolViolation(f"download of {nbytes} bytes returned {len(value)}")
+        if nbytes:
+            view[:] = value
+    elif value != nbytes:
+        raise ProtocolViolation(f"download of {nbytes} bytes returned {value}")
+
+
+def dense_strides(shape: tuple, stride: tuple) -> bool:
     """True when `stride` is a permutation of contiguous strides (no gaps, no overlap)."""
     if 0 in shape:
         return True

@@ -18,12 +18,19 @@ MAX_QUEUED_BYTES = 64 << 20  # queue() blocks beyond this: memory stays bounded 
 
 class FrameWriter:
     def __init__(
-        self, send: Callable[[bytes | list], None], on_error: Callable[[BaseException], None]
+        self,
+        send: Callable[[bytes | list], None],
+        on_error: Callable[[BaseException], None],
+        transform: Callable[[bytes | list], bytes | list] | None = None,
     ) -> None:
+        """`transform` gives the form a frame goes out in (compression); it runs on this thread,
+        off the caller's path."""
         self._send = send
+        self._transform = transform
         self._on_error = on_error
         self._cv = threading.Condition()
-        self._queue: collections.deque = collections.deque()  # (ticket, tag, frame, nbytes)
+        # (ticket, tag, frame, nbytes, transform?)
+        self._queue: collections.deque = collections.deque()
         self._queued_bytes = 0
         self._next_ticket = 1
         self.written = 0  # highest ticket written (or withdrawn)
@@ -33,8 +40,11 @@ class FrameWriter:
         self._thread = threading.Thread(target=self._run, name="rgpu-writer", daemon=True)
         self._thread.start()
 
-    def queue(self, frame: bytes | list, nbytes: int, tag: object = None) -> int:
-        """Queue a frame; returns its ticket. Blocks while too many bytes are waiting."""
+    def queue(
+        self, frame: bytes | list, nbytes: int, tag: object = None, transform: bool = False
+    ) -> int:
+        """Queue a frame; returns its ticket. Blocks while too many bytes are waiting.
+        `transform`: the frame may go out in the form the writer's transform gives it."""
         with self._cv:
             while (
                 self._queued_bytes > MAX_QUEUED_BYTES and self.failed is None and not self._closed
@@ -42,7 +52,7 @@ class FrameWriter:
                 self._cv.wait(0.1)
             ticket = self._next_ticket
             self._next_ticket += 1
-            self._queue.append((ticket, tag, frame, nbytes))
+            self._queue.append((ticket, tag, frame, nbytes, transform))
             self._queued_bytes += nbytes
             self._cv.notify_all()
         return ticket
@@ -73,8 +83,10 @@ class FrameWriter:
                     self._cv.wait()
                 if not self._queue:
                     return
-                ticket, _tag, frame, nbytes = self._queue.popleft()
+                ticket, _tag, frame, nbytes, transform = self._queue.popleft()
             try:
+                if transform and self._transform is not None:
+                    frame = self._transform(frame)
                 self._send(frame)
             except BaseException as e:
                 with self._cv:

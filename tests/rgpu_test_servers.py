@@ -62,3 +62,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def port_of(url: str) -> int:
+    """The port of a ws://host:port URL."""
+    return int(url.rsplit(":", 1)[1])

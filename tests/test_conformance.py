@@ -74,6 +74,9 @@ def run_op_both_ways(op) -> int:
         torch.manual_seed(1234)
         rin, rargs, rkwargs = tree_map(_to("rgpu"), (sample.input, sample.args, sample.kwargs))
         remote = op(rin, *rargs, **rkwargs)
+        # a sample may copy to the CPU with non_blocking=True: as with CUDA, its values may be read
+        # only after a synchronize
+        torch.rgpu.synchronize()
         if op.name in UNINITIALISED:  # values are garbage on both sides: compare layouts
             assert tree_map(_meta, remote) == tree_map(_meta, expected)
         else:

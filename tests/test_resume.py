@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fault_proxy import FaultProxy
-from rgpu_test_servers import ServerProcess
+from rgpu_test_servers import ServerProcess, port_of
 
 import rgpu
 from rgpu.models import seed_mlp
@@ -41,10 +41,6 @@ def mlp_losses(steps: int, cut: callable = None) -> list[float]:
         if cut is not None:
             cut(step)
     return losses
-
-
-def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
 
 
 @pytest.fixture
@@ -102,18 +98,21 @@ def test_cuts_at_chosen_points_mid_batch_and_mid_reply(server, proxied):
 
 
 def test_waits_in_flight_survive_a_cut(server, proxied):
-    proxy = proxied()
-    rgpu.connect(proxy.url)
-    a = torch.randn(400, 400, device="rgpu")
-    for _ in range(30):
-        a = (a @ a).tanh()
     import threading
 
-    threading.Timer(0.05, proxy.cut_all).start()  # while the server computes and the client waits
+    proxy = proxied()
+    session = rgpu.connect(proxy.url)
+    host = torch.randn(400, 400) / 20
+    a, ref = host.to("rgpu"), host
+    for _ in range(30):
+        a, ref = (a @ a).tanh(), (ref @ ref).tanh()
+    timer = threading.Timer(0.05, proxy.cut_all)  # while the server computes and the client waits
+    timer.start()
     value = a.sum().item()
-    rgpu.connect(proxy.url)  # a fresh session for the reference
-    b = torch.randn(400, 400, device="rgpu") * 0
-    assert isinstance(value, float) and b.sum().item() == 0.0
+    timer.join()  # the cut must not land on a later connection instead
+    assert value == pytest.approx(ref.sum().item(), rel=1e-4, abs=1e-4)
+    assert (a * 0).sum().item() == 0.0  # the session goes on after the cut
+    assert session.reconnects <= 1
 
 
 def test_a_restarted_server_gives_session_lost_and_connect_works_again():

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from rgpu_test_servers import TOKEN_FOR_TESTS, ServerProcess
+from rgpu_test_servers import TOKEN_FOR_TESTS, ServerProcess, port_of
 
 import rgpu
 import rgpu.ssh
@@ -38,10 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
 
 
 def accepts(port: int) -> bool:

@@ -5,6 +5,8 @@ A websocket message is a *frame*. Its first byte says what it is:
 * ``HELLO`` / ``WELCOME`` / ``REFUSE`` -- the handshake, a msgpack map each.
 * ``BATCH`` (client to server) -- the sequence number of its first message, then messages back to
   back; message *i* of the batch has sequence number ``first_seq + i``.
+* ``BATCH_Z`` (client to server) -- a BATCH frame whose bytes after the kind byte are
+  zlib-compressed. Only sent to a server whose WELCOME lists ``"zlib"`` under ``"compress"``.
 * ``CHUNK`` (client to server) -- raw tensor bytes belonging to an UPLOAD message.
 * ``REPLY`` (server to client) -- the answer to one waited message.
 * ``DATA`` (server to client) -- raw tensor bytes belonging to a DOWNLOAD reply.
@@ -17,6 +19,7 @@ A *message* is a msgpack array whose first item is its kind (`Kind`).
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterator
 from enum import IntEnum
 from typing import Any
@@ -32,6 +35,7 @@ PROTOCOL_VERSION = 1
 class Frame(IntEnum):
     BATCH = 0x01
     CHUNK = 0x02
+    BATCH_Z = 0x03  # a BATCH frame, zlib-compressed after its kind byte
     REPLY = 0x11
     DATA = 0x12
     ACK = 0x13  # server to client: every message up to this sequence number has been applied
@@ -81,6 +85,7 @@ class CloseCode(IntEnum):
 _SEQ_OFF = struct.Struct("<QQ")
 _END = object()
 _BATCH = bytes((Frame.BATCH,))
+_BATCH_Z = bytes((Frame.BATCH_Z,))
 _REPLY = bytes((Frame.REPLY,))
 
 
@@ -112,6 +117,35 @@ def frame_kind(frame: bytes | bytearray | memoryview) -> Frame:
 def batch_frame(first_seq: int, encoded_messages: list[bytes]) -> bytes:
     """Join already-encoded messages into one BATCH frame."""
     return b"".join((_BATCH, msgpack.packb(first_seq), *encoded_messages))
+
+
+def compress_batch(frame: bytes, level: int = 1) -> bytes | None:
+    """The BATCH_Z form of a BATCH frame, or None when it would not be smaller.
+
+    Level 1: the op stream (names, ids, small shapes) shrinks several-fold even so, and it costs
+    microseconds per kilobyte."""
+    packed = zlib.compress(memoryview(frame)[1:], level)
+    if len(packed) + 1 >= len(frame):
+        return None
+    return _BATCH_Z + packed
+
+
+def decompress_batch(frame: bytes, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """The BATCH frame inside a BATCH_Z frame; never inflates past `limits.max_message`."""
+    if not frame or frame[0] != Frame.BATCH_Z:
+        raise ProtocolError("not a BATCH_Z frame")
+    inflater = zlib.decompressobj()
+    try:
+        body = inflater.decompress(memoryview(frame)[1:], limits.max_message)
+    except zlib.error as e:
+        raise ProtocolError(f"corrupt compressed batch: {e}") from None
+    if inflater.unconsumed_tail:
+        raise LimitExceeded(
+            f"compressed batch inflates past the limit of {limits.max_message} bytes"
+        )
+    if not inflater.eof or inflater.unused_data:
+        raise ProtocolError("compressed batch is truncated or has trailing bytes")
+    return _BATCH + body
 
 
 class BatchReader:

@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     auth.add_argument("--keyfile", default=None, help="TLS private key (PEM) for --certfile")
     lim = p.add_argument_group("limits")
+    p.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="where compiled graphs are cached across sessions and restarts (default: "
+        "RGPU_COMPILE_CACHE_DIR, else ~/.cache/rgpu)",
+    )
     lim.add_argument(
         "--session-grace",
         type=float,
@@ -155,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     generated = token is None and not args.no_token
     if generated:
         token = secrets.token_urlsafe(32)
+    from .graphs import configure_cache
+
+    configure_cache(args.compile_cache_dir)  # before anything imports Inductor
     device = pick_device(args.device)
     limits = replace(DEFAULT_LIMITS, max_message=max(args.max_message_mb, 1) << 20)
     config = ServerConfig(

@@ -341,6 +341,7 @@ class RgpuServer:
                     "device": str(self.config.device),
                     "device_name": device_name(self.config.device),
                     "max_message": self.config.limits.max_message,
+                    "compress": ["zlib"],  # BATCH_Z frames are understood
                     "max_chunk": min(
                         self.config.limits.max_chunk, self.config.limits.max_message // 2
                     ),

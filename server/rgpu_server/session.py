@@ -37,6 +37,7 @@ from rgpu.protocol import (
     decode_host,
     decode_simple_ext,
     decode_view,
+    decompress_batch,
     parse_chunk,
     reply_frame,
     unpack_ref,
@@ -299,6 +300,8 @@ class Session:
         kind = frame[0]
         if kind == Frame.BATCH:
             self._run_batch(frame)
+        elif kind == Frame.BATCH_Z:
+            self._run_batch(decompress_batch(frame, self.limits))
         elif kind == Frame.CHUNK:
             seq, offset, _ = parse_chunk(frame, self.limits)
             if offset == ABORT_OFFSET and seq <= self.last_seq:
@@ -409,7 +412,8 @@ class Session:
                 torch.cuda.synchronize(self.device)
             elif self.device.type == "mps":
                 torch.mps.synchronize()
-            self._reply(seq, Status.OK, None)
+            # the server's clock once the device is idle: the client's Event.elapsed_time
+            self._reply(seq, Status.OK, time.perf_counter())
         elif kind == Kind.SEED:
             if len(msg) != 2 or type(msg[1]) is not int:
                 raise ProtocolError("SEED takes one integer")
