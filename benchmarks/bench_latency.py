@@ -91,8 +91,10 @@ def make_loop(mode: str, device: str, rgpu: Any, seed: int = 0) -> Callable[[int
     return run
 
 
-def measure(run: Callable[[int], list[float]], stats: Callable[[], dict], steps: int) -> dict:
-    run(3)  # warm-up: first-step allocations, compiles, optimizer state
+def measure(
+    run: Callable[[int], list[float]], stats: Callable[[], dict], steps: int, warmup: int = 3
+) -> dict:
+    run(warmup)  # first-step allocations, compiles, optimizer state
     before = stats()
     t0 = time.perf_counter()
     losses = run(steps)
@@ -162,7 +164,8 @@ def _verdicts(results: dict[str, list[dict]]) -> dict[str, Any]:
 
 
 def sweep_published(rtts: list[float], steps: int) -> dict[str, Any]:
-    """rgpu 0.1.1: the `item` loop (it has no non-blocking readback and no graph shipping)."""
+    """rgpu 0.1.1: the `item` loop (it has no non-blocking readback and no graph shipping).
+    It waits for many round trips per step, so a point gets 1 warm-up step and `steps` steps."""
     import importlib.metadata
 
     from bench_published import free_port, start_opserver
@@ -175,23 +178,26 @@ def sweep_published(rtts: list[float], steps: int) -> dict[str, Any]:
     proc = start_opserver(port, None)
     points: list[dict] = []
     error = None
+    # one link for every point, its latency changed in between: rgpu 0.1.1 keeps the address it
+    # first connected to
+    link = netem.LinkEmulator(port)
+    os.environ["RGPU_OPSERVER"] = f"127.0.0.1:{link.port}"
     try:
         for rtt_ms in rtts:
-            link = netem.LinkEmulator(port, rtt_s=rtt_ms / 1000)
-            os.environ["RGPU_OPSERVER"] = f"127.0.0.1:{link.port}"
+            link.rtt_s = rtt_ms / 1000
             try:
-                rgpu.connect() if hasattr(rgpu, "connect") else None
-                point = measure(make_loop("item", "rgpu", rgpu), rgpu.stats, steps)
+                t0 = time.perf_counter()
+                point = measure(make_loop("item", "rgpu", rgpu), rgpu.stats, steps, warmup=1)
                 point["rtt_ms"] = rtt_ms
+                point["seconds"] = time.perf_counter() - t0
                 points.append(point)
                 log(f"rgpu 0.1.1 item RTT {rtt_ms:5.0f} ms: {point['ms_per_step']:7.1f} ms/step")
             except Exception as e:  # it cannot run the workload: say so, with the reason
                 error = f"{type(e).__name__}: {e}"
                 log(f"rgpu 0.1.1 failed at RTT {rtt_ms} ms: {error}\n{traceback.format_exc()}")
                 break
-            finally:
-                link.close()
     finally:
+        link.close()
         proc.terminate()
         proc.wait(timeout=30)
     return {"version": importlib.metadata.version("rgpu"), "item": points, "error": error}

@@ -35,7 +35,7 @@ SUITE: dict[str, tuple[str, list[str]]] = {
     "compile": ("ours", ["bench_compile.py", "--repeats", "3"]),
     "latency": ("ours", ["bench_latency.py", "--compression"]),
     "published-core": ("published", ["bench_published.py"]),
-    "published-latency": ("published", ["bench_latency.py", "--published"]),
+    "published-latency": ("published", ["bench_latency.py", "--published", "--steps", "3"]),
 }
 
 

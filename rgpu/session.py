@@ -195,7 +195,7 @@ class Session:
         # between two statements cannot make numbers and messages disagree.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
-        self._pending_has_data = False  # an inline upload is queued: its batch is not compressed
+        self._pending_data_bytes = 0  # inline upload bytes in the queue (they do not compress)
         self._first_seq = 1
         self._replay = ReplayBuffer(_env_int("RGPU_REPLAY_BYTES", 256 << 20))
         self._waiters: dict[int, Waiter] = {}
@@ -396,8 +396,10 @@ class Session:
         first = self._first_seq
         # kept for replay first, then sent: a connection can drop at any moment after this
         self._replay.add(first, pending, self._pending_bytes, upload)
-        self._send(batch_frame(first, pending), compressible=not self._pending_has_data)
-        self._pending_has_data = False
+        # a batch that is mostly tensor bytes (inline uploads) would barely shrink
+        compressible = 2 * self._pending_data_bytes < self._pending_bytes
+        self._send(batch_frame(first, pending), compressible=compressible)
+        self._pending_data_bytes = 0
         # only now forget the messages: if an interrupt lands before this line, they go out again
         # with the same numbers, and the server drops what it already applied
         self._first_seq = first + len(pending)
@@ -715,7 +717,7 @@ class Session:
                     index.remember(dst, src, sha)
                     return
         if nbytes <= INLINE_UPLOAD:
-            self._pending_has_data = True  # before post(), which may flush
+            self._pending_data_bytes += nbytes  # before post(), which may flush
             self.post((Kind.UPLOAD, dst, src))
             if sha is not None:
                 index.remember(dst, src, sha)
