@@ -151,12 +151,19 @@ def machine(client: str) -> dict[str, Any]:
     }
 
 
-def header(client: str, server: dict[str, Any]) -> dict[str, Any]:
+def doc_header(benchmark: str, client: str) -> dict[str, Any]:
+    """What every result document starts with: which benchmark, when, how, on what."""
     return {
-        "benchmark": "device-core",
+        "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([_python_name(), *sys.argv]),
         "machine": machine(client),
+    }
+
+
+def header(client: str, server: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **doc_header("device-core", client),
         "server": server,
         "targets": TARGETS,
         "published_rgpu_0_1_1": PUBLISHED_0_1_1,

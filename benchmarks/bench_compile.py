@@ -22,7 +22,6 @@ sets); its INFO log gives each graph's "ready after X s" (compile plus first run
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 import torch
-from _common import Remote, emit, log, machine, stats_delta, summary
+from _common import Remote, doc_header, emit, log, stats_delta, summary
 from bench_core import start_server
 from bench_training import BATCH, LM, make_lm_step
 
@@ -159,7 +158,8 @@ def server(cache: str, log_file: IO[str]) -> tuple[subprocess.Popen[str], str]:
         "RGPU_COMPILE_CACHE_DIR": cache,
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
     }
-    return start_server(None, env=env, log_file=log_file)
+    # as a user starts one: Inductor preloads in the background (bench_core.py turns that off)
+    return start_server(None, extra=["--preload-inductor"], env=env, log_file=log_file)
 
 
 # -- steady state ------------------------------------------------------------------------------
@@ -241,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = tempfile.mkdtemp(prefix="rgpu-compile-cache-")
     logs = [os.path.join(cache, f"server{i}.log") for i in (1, 2)]
     doc: dict[str, Any] = {
-        "benchmark": "compile",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
-        "machine": machine(f"rgpu {rgpu.__version__} (this repo)"),
+        **doc_header("compile", f"rgpu {rgpu.__version__} (this repo)"),
         "targets": {
             "mlp_messages_per_step": TARGET_MLP_MESSAGES,
             "warm_start_s": TARGET_WARM_START_S,

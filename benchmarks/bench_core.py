@@ -39,7 +39,10 @@ def start_server(
     environment variables, and `log_file` receives the server's log (stderr; dropped without it).
     """
     os.environ.setdefault("RGPU_TOKEN", secrets.token_urlsafe(24))
-    cmd = [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", "0", "--announce"]
+    # no Inductor preload: the benchmark starts at once and the import would compete with it
+    # (bench_compile.py turns it back on to measure a server's first compiled step)
+    cmd = [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", "0", "--announce",
+           "--no-preload-inductor"]  # fmt: skip
     proc = subprocess.Popen(
         [*cmd, *extra],
         stdout=subprocess.PIPE,

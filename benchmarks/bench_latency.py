@@ -22,7 +22,6 @@ link (RTT 0 and 50 ms) with RGPU_COMPRESS=0 and =1, and reports bytes on the wir
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
 import sys
@@ -36,7 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, log, machine  # noqa: E402
+from _common import doc_header, emit, log  # noqa: E402
 
 
 def _load(name: str, path: Path) -> Any:
@@ -251,21 +250,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compression", action="store_true", help="also the 10 Mbit/s comparison")
     args = p.parse_args(argv)
     rtts = [float(r) for r in args.rtts.split(",")]
+    client = "rgpu 0.1.1 (PyPI)" if args.published else "rgpu (this repo)"
     doc: dict[str, Any] = {
-        "benchmark": "latency",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *sys.argv]),
+        **doc_header("latency", client),
         "workload": f"TinyLM {LM}, batch {BATCH}, AdamW; {args.steps} steps per point after 3 "
         "warm-up steps, ending with a synchronize; every point goes through rgpu.netem",
     }
     if args.published:
-        doc["machine"] = machine("rgpu 0.1.1 (PyPI)")
         doc["published"] = sweep_published(rtts, args.steps)
     else:
         sys.path.insert(0, str(REPO))
         import rgpu
 
-        doc["machine"] = machine(f"rgpu {rgpu.__version__} (this repo)")
         doc["ours"] = sweep_ours(rtts, args.steps, tuple(args.modes.split(",")))
         if args.compression:
             doc["compression_10mbit"] = compression_at_10mbit(max(args.steps // 2, 5))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import datetime
 import glob
 import io
 import os
@@ -36,9 +35,9 @@ import torch
 from _common import (
     Remote,
     cpu_delta,
+    doc_header,
     emit,
     log,
-    machine,
     pin_client,
     pin_plan,
     stats_delta,
@@ -187,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         session = rgpu.connect(url)
         log(f"connected to {url} ({session.device_name})")
         doc: dict[str, Any] = {
-            "benchmark": "training",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join(["python", *sys.argv]),
-            "machine": machine(f"rgpu {rgpu.__version__} (this repo)"),
+            **doc_header("training", f"rgpu {rgpu.__version__} (this repo)"),
             "server": {
                 "url": url,
                 "device_name": session.device_name,

@@ -32,6 +32,8 @@ class EmbeddedServer:
         cmd = [
             sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", "0",
             "--device", device, "--announce", "--token-stdin", "--exit-with-stdin",
+            # it gets work at once: importing Inductor in the background would slow that work
+            "--no-preload-inductor",
         ]  # fmt: skip
         self.process = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, close_fds=True

@@ -21,7 +21,7 @@ class ServerProcess:
         self, *extra: str, env: dict | None = None, device: str = "cpu", port: int = 0
     ) -> None:
         cmd = [sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", str(port), "--device", device,
-               "--announce", *extra]  # fmt: skip
+               "--announce", "--no-preload-inductor", *extra]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,

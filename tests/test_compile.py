@@ -230,9 +230,9 @@ def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path
         )
     finally:
         srv.stop()
-    srv = ServerProcess(
-        "--compile-cache-dir", str(cache)
-    )  # a restarted server: Inductor's disk cache
+    # a restarted server (preloading Inductor, as a standalone rgpu-server does): Inductor's
+    # disk cache serves the graph
+    srv = ServerProcess("--compile-cache-dir", str(cache), "--preload-inductor")
     try:
         v3, c3 = run_client(srv.url)
         assert v3 == v1

@@ -113,50 +113,55 @@ def test_compression_off_by_default_on_a_fast_link(server, monkeypatch):
     assert not session.compressing and rgpu.stats()["compressed_frames"] == 0
 
 
-def test_a_long_round_trip_turns_compression_on(server, monkeypatch):
+@pytest.fixture
+def link(server):
+    """Connect through an emulated link (rgpu.netem) to the test server."""
+    made = []
+
+    def connect(**kwargs):
+        emulator = FaultProxy(port_of(server.url), **kwargs)
+        made.append(emulator)
+        return rgpu.connect(emulator.url)
+
+    yield connect
+    rgpu.disconnect()
+    for emulator in made:
+        emulator.close()
+
+
+def _ops_match_cpu_compressed() -> None:
+    host = torch.randn(32, 32)
+    torch.testing.assert_close(_op_loop(host.to("rgpu")).cpu(), _op_loop(host))
+    assert rgpu.stats()["compressed_frames"] >= 1
+
+
+def test_a_long_round_trip_turns_compression_on(link, monkeypatch):
     monkeypatch.delenv("RGPU_COMPRESS", raising=False)
-    link = FaultProxy(port_of(server.url), latency_s=0.01)  # 20 ms RTT
-    try:
-        session = rgpu.connect(link.url)
-        assert session.link_rtt_s >= 0.02 and session.compressing
-        host = torch.randn(32, 32)
-        torch.testing.assert_close(_op_loop(host.to("rgpu")).cpu(), _op_loop(host))
-        assert rgpu.stats()["compressed_frames"] >= 1
-    finally:
-        rgpu.disconnect()
-        link.close()
+    session = link(latency_s=0.01)  # 20 ms RTT
+    assert session.link_rtt_s >= 0.02 and session.compressing
+    _ops_match_cpu_compressed()
 
 
-def test_a_slow_download_turns_compression_on(server, monkeypatch):
+def test_a_slow_download_turns_compression_on(link, monkeypatch):
     monkeypatch.delenv("RGPU_COMPRESS", raising=False)
-    link = FaultProxy(port_of(server.url), bandwidth_bps=5e6)  # 40 Mbit/s, no added latency
-    try:
-        session = rgpu.connect(link.url)
-        # no latency is added: only a machine too busy to answer a ping in 10 ms would say slow
-        assert session.compressing == (session.link_rtt_s >= SLOW_LINK_RTT_S)
-        big = torch.randn(400_000)  # 1.6 MB
-        assert torch.equal(big.to("rgpu").cpu(), big)
-        assert session.link_bps is not None and session.link_bps < 10e6
-        assert session.compressing
-        host = torch.randn(32, 32)
-        torch.testing.assert_close(_op_loop(host.to("rgpu")).cpu(), _op_loop(host))
-        assert rgpu.stats()["compressed_frames"] >= 1
-    finally:
-        rgpu.disconnect()
-        link.close()
+    session = link(bandwidth_bps=5e6)  # 40 Mbit/s, no added latency
+    # no latency is added: only a machine too busy to answer a ping in 10 ms would say slow
+    assert session.compressing == (session.link_rtt_s >= SLOW_LINK_RTT_S)
+    big = torch.randn(400_000)  # 1.6 MB
+    assert torch.equal(big.to("rgpu").cpu(), big)
+    assert session.link_bps is not None and session.link_bps < 10e6
+    assert session.compressing
+    _ops_match_cpu_compressed()
 
 
-def test_compression_can_be_turned_off(server, monkeypatch):
+def test_compression_can_be_turned_off(link, monkeypatch):
     monkeypatch.setenv("RGPU_COMPRESS", "0")
-    link = FaultProxy(port_of(server.url), latency_s=0.01)
-    try:
-        session = rgpu.connect(link.url)
-        assert not session.compressing
-        _op_loop(torch.ones(8, device="rgpu"), 300).sum().item()
-        assert rgpu.stats()["compressed_frames"] == 0
-    finally:
-        rgpu.disconnect()
-        link.close()
+    session = link(latency_s=0.01)
+    assert not session.compressing
+    assert _op_loop(torch.ones(8, device="rgpu"), 300).sum().item() == pytest.approx(
+        _op_loop(torch.ones(8), 300).sum().item()
+    )
+    assert rgpu.stats()["compressed_frames"] == 0
 
 
 def test_a_bad_setting_is_a_clear_error(server, monkeypatch):

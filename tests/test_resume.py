@@ -16,31 +16,11 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from fault_proxy import FaultProxy
+from loops import mlp_losses
 from rgpu_test_servers import ServerProcess, port_of
 
 import rgpu
-from rgpu.models import seed_mlp
-
-
-def mlp_losses(steps: int, cut: callable = None) -> list[float]:
-    torch.manual_seed(0)
-    model = seed_mlp().to("rgpu")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = torch.randn(64, 16).to("rgpu"), torch.randn(64, 1).to("rgpu")
-    big = torch.randn(80_000)  # 320 KB: a chunked upload every step
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        extra = big.to("rgpu").mean() * 0  # uploads ride through the cuts too
-        loss = F.mse_loss(model(x), y) + extra
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if cut is not None:
-            cut(step)
-    return losses
 
 
 @pytest.fixture

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from loops import mlp_losses
 from rgpu_test_servers import TOKEN_FOR_TESTS, ServerProcess, port_of
 
 import rgpu
 import rgpu.ssh
-from rgpu.models import seed_mlp
 from rgpu.ssh import SshTunnel, parse_ssh_url
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,24 +226,6 @@ def test_a_server_is_started_on_the_host_without_the_token_in_any_process_list(f
     with pytest.raises((rgpu.ConnectionLost, rgpu.SessionLost), match="shut down|has exited"):
         torch.ones(3, device="rgpu").sum().item()
     assert exited(pid)
-
-
-def mlp_losses(steps: int, cut=None) -> list[float]:
-    torch.manual_seed(0)
-    model = seed_mlp().to("rgpu")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    x, y = torch.randn(64, 16).to("rgpu"), torch.randn(64, 1).to("rgpu")
-    big = torch.randn(80_000)  # 320 KB: a chunked upload every step
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = F.mse_loss(model(x), y) + big.to("rgpu").mean() * 0
-        loss.backward()
-        if cut is not None:
-            cut(step)  # mid-step: the backward and the step are queued, not yet sent
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_a_killed_tunnel_is_reopened_and_training_resumes_with_identical_losses(fresh):
