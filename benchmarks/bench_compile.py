@@ -123,6 +123,20 @@ def child(url: str, workload: str, variant: str) -> dict[str, Any]:
 READY = re.compile(r"graph (\w+) \((\d+) nodes, (\w+)\) ready after ([\d.]+) s")
 
 
+def wait_for_preload(server_log: str, offset: int, timeout: float = 120) -> float | None:
+    """Seconds the server took to preload Inductor (its log says so after `offset`), once it has."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(server_log, encoding="utf-8") as f:
+            f.seek(offset)
+            found = re.findall(r"Inductor preloaded in ([\d.]+) s", f.read())
+        if found:
+            log(f"server preloaded Inductor in {found[-1]} s")
+            return float(found[-1])
+        time.sleep(0.2)
+    return None
+
+
 def run_child(url: str, workload: str, variant: str, server_log: str) -> dict[str, Any]:
     """`child` in a new interpreter; adds the server's "ready after" lines logged meanwhile."""
     offset = os.path.getsize(server_log)
@@ -158,7 +172,8 @@ def server(cache: str, log_file: IO[str]) -> tuple[subprocess.Popen[str], str]:
         "RGPU_COMPILE_CACHE_DIR": cache,
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
     }
-    # as a user starts one: Inductor preloads in the background (bench_core.py turns that off)
+    # as a user starts one: Inductor is preloaded before it takes clients (bench_core.py turns
+    # that off)
     return start_server(None, extra=["--preload-inductor"], env=env, log_file=log_file)
 
 
@@ -260,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
+        offset = 0
         with open(logs[1], "w", encoding="utf-8") as f2:
             proc, url = server(cache, f2)  # a new server process, the same cache directory
             try:
+                doc["warm_cache_server_preload_s"] = wait_for_preload(logs[1], offset)
                 doc["warmup"]["warm_cache"] = {
                     w: {v: run_child(url, w, v, logs[1]) for v in VARIANTS[1:]} for w in workloads
                 }

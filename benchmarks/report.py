@@ -8,6 +8,7 @@ CPU times, load average); this script turns those into the tables of BENCHMARKS.
 benchmarks/plots/*.png with matplotlib. The published rgpu 0.1.1 runs too when its virtualenv
 exists (RGPU_PUBLISHED_PYTHON, default /tmp/anchor-venv/bin/python; see bench_published.py).
 The prose that explains the numbers lives in benchmarks/NOTES.md and is appended as it is.
+Plots need matplotlib (`pip install -e ".[bench]"`).
 """
 
 from __future__ import annotations
@@ -71,13 +72,15 @@ MODE_LABEL = {
 }
 
 
-def plot_latency(lat: dict[str, Any], published: dict[str, Any] | None) -> str:
+def plot_latency(
+    lat: dict[str, Any], published: dict[str, Any] | None, plots: Path = PLOTS
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    PLOTS.mkdir(exist_ok=True)
+    plots.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
     ours = lat["ours"]
     for i, (mode, points) in enumerate(ours["modes"].items()):
@@ -97,10 +100,10 @@ def plot_latency(lat: dict[str, Any], published: dict[str, Any] | None) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = PLOTS / "latency.png"
+    path = plots / "latency.png"
     fig.savefig(path)
     plt.close(fig)
-    return str(path.relative_to(REPO))
+    return path
 
 
 # -- tables --------------------------------------------------------------------------------------
@@ -260,7 +263,8 @@ def section_latency(lat: dict[str, Any], pub: dict[str, Any] | None, plot: str) 
     return out
 
 
-def write_markdown() -> Path:
+def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> Path:
+    """BENCHMARKS.md (to `out`) and its plots (into `plots`) from benchmarks/results/."""
     core, pub_core = load("core"), load("published-core")
     training, compile_, lat, pub_lat = (
         load("training"), load("compile"), load("latency"), load("published-latency"))  # fmt: skip
@@ -294,8 +298,10 @@ def write_markdown() -> Path:
     if compile_:
         lines += section_compile(compile_)
     if lat:
-        lines += section_latency(lat, pub_lat and pub_lat.get("published"),
-                                 plot_latency(lat, pub_lat and pub_lat.get("published")))  # fmt: skip
+        published = pub_lat and pub_lat.get("published")
+        png = plot_latency(lat, published, plots)
+        link = os.path.relpath(png, out.parent)
+        lines += section_latency(lat, published, link)
     notes = HERE / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]
@@ -314,9 +320,8 @@ def write_markdown() -> Path:
         f"{platform.node() or 'this machine'}._",
         "",
     ]  # fmt: skip
-    path = REPO / "BENCHMARKS.md"
-    path.write_text("\n".join(lines))
-    return path
+    out.write_text("\n".join(lines))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

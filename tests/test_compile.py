@@ -237,5 +237,48 @@ def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path
         v3, c3 = run_client(srv.url)
         assert v3 == v1
         assert c3["graphs_built"] == 1 and c3["inductor_cache_hits"] >= 1
+        assert c3["dynamo_graphs"] == 2  # the preload's and this graph: really compiled
+    finally:
+        srv.stop()
+
+
+def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled_graphs(tmp_path):
+    # Dynamo's compile state is process-wide: two sessions' first calls at once used to fail
+    # ("found no compiled frames", from fullgraph=True's process-wide count). Here two clients'
+    # graphs compile at the same time, on a server that preloaded Inductor.
+    code = """
+        import sys, torch, rgpu
+        from rgpu.models import seed_mlp
+        rgpu.connect(sys.argv[1])
+        torch.manual_seed(0)
+        model = seed_mlp()
+        x = torch.randn(int(sys.argv[2]), 16)
+        expected = model(x).sum().item()
+        cm = torch.compile(model.to("rgpu"), backend=rgpu.compile_backend(), dynamic=False)
+        got = cm(x.to("rgpu")).sum().item()
+        assert abs(got - expected) < 1e-4, (got, expected)
+        print(rgpu.session_info()["compile"])
+    """
+    srv = ServerProcess("--compile-cache-dir", str(tmp_path / "cache"), "--preload-inductor")
+    try:
+        clients = [
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(code), srv.url, str(rows)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rows in (8, 12)  # one graph, two shapes: a compile each
+        ]
+        outs = [c.communicate(timeout=600) for c in clients]
+        for c, (_, err) in zip(clients, outs):
+            assert c.returncode == 0, err[-3000:]
+        last = max((eval(out.strip().splitlines()[-1]) for out, _ in outs),
+                   key=lambda c: c["dynamo_graphs"])  # fmt: skip
+        # one forward graph (shapes are not in the node list), built once and shared...
+        assert (last["graphs_built"], last["graphs_reused"]) == (1, 1), outs
+        # ...and really compiled by Dynamo for each shape, besides the preload's graph
+        assert last["dynamo_graphs"] == 3, outs
+        assert "Inductor preloaded" in "\n".join(srv.log_lines)
     finally:
         srv.stop()

@@ -43,24 +43,32 @@ def configure_cache(path: str | None) -> Path:
     return root
 
 
-def preload_inductor() -> threading.Thread:
-    """Import Inductor on a background thread at start-up. Its import alone takes about 2 s of
-    CPU, which a fresh server would otherwise add to its first compiled graph, even one that
-    Inductor's on-disk cache already holds."""
+def _warm_up_graph(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2 + 1).relu()
 
-    def run() -> None:
-        try:  # at the lowest priority, so sessions that start meanwhile come first (Linux)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
-        try:
-            import torch._inductor.compile_fx  # noqa: F401
-        except Exception:  # a torch without Inductor: graphs are compiled with "eager" only
-            log.debug("could not preload Inductor", exc_info=True)
 
-    thread = threading.Thread(target=run, name="rgpu-inductor-preload", daemon=True)
-    thread.start()
-    return thread
+def preload_inductor(device: torch.device) -> None:
+    """Import Inductor and compile a tiny graph, before the server takes clients.
+
+    A fresh server otherwise adds about 2 s of imports and as much of first-compile set-up to its
+    first client's compiled graph, even one that Inductor's on-disk cache already holds. It runs
+    before serving, not on a background thread: Dynamo compiling on one thread while session
+    threads start and compile made those sessions' graphs run uncompiled."""
+    t0 = time.perf_counter()
+    try:
+        import torch._inductor.compile_fx  # noqa: F401
+
+        torch.compile(_warm_up_graph, backend="inductor", dynamic=False)(
+            torch.ones(8, device=device)
+        )
+    except Exception:  # a torch without Inductor: graphs are compiled with "eager" only
+        log.warning(
+            "could not preload Inductor; the first compiled graph will be slower", exc_info=True
+        )
+        return
+    log.info(
+        "Inductor preloaded in %.1f s (imported, one graph compiled)", time.perf_counter() - t0
+    )
 
 
 @dataclass
@@ -96,7 +104,11 @@ class GraphCache:
         gm, seeded = build(nodes, device)
         fn: Any = gm
         if compiler == "inductor":
-            fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False, fullgraph=True)
+            with _COMPILE_LOCK:  # not while another session's graph compiles
+                # not fullgraph=True: its check shares one process-wide counter with every other
+                # compiled call, so two sessions' calls at once made it fail spuriously; a graph
+                # of aten calls has nothing to break on anyway
+                fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
         graph = Graph(key, fn, len(nodes), seeded, compiler)
         with self._lock:
             self._graphs.setdefault(key, graph)
@@ -104,11 +116,14 @@ class GraphCache:
             return self._graphs[key]
 
     def counters(self) -> dict:
-        hits = 0
+        hits = dynamo_graphs = 0
         try:  # Inductor's on-disk FX graph cache: hits mean a compile from an earlier run was reused
             from torch._dynamo.utils import counters
 
             hits = int(counters["inductor"]["fxgraph_cache_hit"])
+            # graphs Dynamo really compiled in this process (the preload's included): a graph
+            # that ran uncompiled would not count
+            dynamo_graphs = int(counters["stats"]["unique_graphs"])
         except Exception:
             pass
         return {
@@ -116,6 +131,7 @@ class GraphCache:
             "graphs_reused": self.reused,
             "compile_seconds": round(self.compile_seconds, 3),
             "inductor_cache_hits": hits,
+            "dynamo_graphs": dynamo_graphs,
         }
 
 
@@ -174,12 +190,22 @@ class GraphRefused(Exception):
     """The graph names an operator this server does not run."""
 
 
+# Dynamo's compile state is process-wide, and compiling is not something two threads should do at
+# once: first calls (where the compiling happens) take this lock, so two sessions' graphs take
+# turns. Later calls run without it.
+_COMPILE_LOCK = threading.Lock()
+
+
 def timed_first_call(graph: Graph, call) -> Any:
     """Run a graph; the first call of an Inductor graph compiles it: log how long that took."""
-    t0 = time.perf_counter()
-    out = call()
     if getattr(graph, "_timed", False):
-        return out
+        return call()
+    t0 = time.perf_counter()
+    if graph.compiler == "inductor":
+        with _COMPILE_LOCK:
+            out = call()
+    else:
+        out = call()
     graph._timed = True  # type: ignore[attr-defined]
     seconds = time.perf_counter() - t0
     CACHE.compile_seconds += seconds
