@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+from xfail_lists import read_xfails
 
 torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 op_db = torch_testing.op_db
@@ -17,18 +18,7 @@ SAMPLES = 2
 XFAIL_FILE = __file__.rsplit("/", 1)[0] + "/grad_conformance_xfail.txt"
 
 
-def _xfails() -> dict[str, str]:
-    out = {}
-    with open(XFAIL_FILE, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line and not line.startswith("#"):
-                name, reason = line.split(":", 1)
-                out[name.strip()] = reason.strip()
-    return out
-
-
-XFAIL = _xfails()
+XFAIL = read_xfails(XFAIL_FILE)
 OPS = [op for op in op_db if op.supports_autograd and torch.float32 in op.supported_dtypes("cpu")]
 
 

@@ -1,0 +1,105 @@
+"""Per-op cost of two commits side by side (A/B), to tell a regression from the machine's noise.
+
+    python benchmarks/ab_per_op.py 92cb622 HEAD [--rounds 3] [--out FILE.json]
+
+Each commit is checked out in a temporary git worktree. Rounds alternate between the two: a
+fresh process imports that tree's rgpu, starts its embedded CPU server, and times 7 repeats of
+5,000 `x = x + 1` on 16 floats plus one `.item()`, recording wall time and client CPU time per
+op. The summary compares the medians of the best four repeats of each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import doc_header, emit, log
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, sys, time
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/server"]
+import torch, rgpu
+assert rgpu.__file__.startswith(root), rgpu.__file__
+rgpu.connect("local")
+x = torch.zeros(16, device="rgpu")
+for _ in range(300):
+    x = x + 1
+x.sum().item()
+time.sleep(1)
+out = []
+for _ in range(7):
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(5000):
+        x = x + 1
+    x.sum().item()
+    out.append([(time.perf_counter() - t0) / 5000 * 1e6, (time.process_time() - c0) / 5000 * 1e6])
+rgpu.disconnect()
+print(json.dumps(out))
+"""
+
+
+def run_tree(root: str) -> list[list[float]]:
+    env = {**os.environ, "PYTHONPATH": f"{root}:{root}/server"}  # the embedded server's code too
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, root],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=tempfile.gettempdir(),  # not the repo: its rgpu must not shadow the tree's
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    trees: dict[str, str] = {}
+    try:
+        for rev in (args.a, args.b):
+            path = tempfile.mkdtemp(prefix="rgpu-ab-")
+            subprocess.run(["git", "worktree", "add", "-f", "--detach", path, rev], cwd=REPO,
+                           check=True, capture_output=True)  # fmt: skip
+            trees[rev] = path
+        rounds: dict[str, list[list[list[float]]]] = {rev: [] for rev in trees}
+        for r in range(args.rounds):
+            for rev, path in trees.items():
+                reps = run_tree(path)
+                rounds[rev].append(reps)
+                best = sorted(w for w, _ in reps)[:4]
+                log(f"round {r} {rev}: {statistics.median(best):.1f} µs/op (best four, wall)")
+        doc = doc_header("per-op A/B", "rgpu at two commits")
+        doc["revisions"] = {}
+        for rev, runs in rounds.items():
+            walls = [statistics.median(sorted(w for w, _ in reps)[:4]) for reps in runs]
+            cpus = [statistics.median(sorted(c for _, c in reps)[:4]) for reps in runs]
+            doc["revisions"][rev] = {
+                "wall_us_per_op_by_round": walls,
+                "client_cpu_us_per_op_by_round": cpus,
+                "median_wall_us_per_op": statistics.median(walls),
+            }
+        a, b = (doc["revisions"][rev]["median_wall_us_per_op"] for rev in trees)
+        doc["ratio_b_over_a"] = b / a
+        emit(doc, args.out)
+    finally:
+        for path in trees.values():
+            subprocess.run(["git", "worktree", "remove", "--force", path], cwd=REPO,
+                           capture_output=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
