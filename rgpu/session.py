@@ -435,11 +435,16 @@ class Session:
             if self.closed:
                 return
             last = -1
+            interval = self.quiet_s
             while True:
-                time.sleep(self.quiet_s)
+                time.sleep(interval)
                 now = self.messages
                 if now == last:
                     break
+                if last != -1:
+                    # still streaming (its batches go out by count): look less often, since
+                    # every wake-up takes the GIL from the thread issuing ops
+                    interval = min(interval * 2, 4 * self.quiet_s)
                 last = now
             with self.lock:
                 if self._pending and self._broken is None and not self.closed:
