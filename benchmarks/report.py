@@ -285,7 +285,14 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
         "server (`rgpu-server --device cpu`) on the same machine, over loopback, competing with "
         "the client for the cores. No GPU.",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC).",
-        f"- **Code:** commit `{m.get('repo_commit', '?')}` (plus the working tree at the time).",
+        "- **Code:** "
+        + ", ".join(
+            f"{name} at `{d['machine'].get('repo_commit', '?')}`"
+            for name, d in (("core", core), ("training", training), ("compile", compile_),
+                            ("latency", lat))
+            if d
+        )
+        + " (each with the working tree at the time).",
         "- **Published rgpu:** " + (
             "rgpu 0.1.1 from PyPI in its own virtualenv (it needs torch ≥ 2.14), same machine, "
             "same hour." if (pub_core or pub_lat) else "not measured in this run."),
