@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -48,7 +49,29 @@ def _load(name: str, path: Path) -> Any:
     return mod
 
 
-netem = _load("rgpu_bench_netem", REPO / "rgpu" / "netem.py")
+class Link:
+    """rgpu.netem in its own process, as a real link is: in this process its thread would wait
+    for the GIL behind the thread issuing ops, delaying deliveries beyond the emulated RTT."""
+
+    def __init__(self, target_port: int, rtt_ms: float = 0.0, mbit: float | None = None) -> None:
+        cmd = [sys.executable, str(REPO / "rgpu" / "netem.py"), "--target",
+               f"127.0.0.1:{target_port}", "--listen", "0", "--rtt-ms", str(rtt_ms),
+               "--control-stdin", *(["--mbit", str(mbit)] if mbit else [])]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # "rgpu.netem: ws://127.0.0.1:PORT -> ..."
+        self.url = line.split()[1]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def set_rtt(self, rtt_ms: float) -> None:
+        self.proc.stdin.write(f"{rtt_ms}\n")
+        self.proc.stdin.flush()
+        self.proc.stdout.readline()  # the acknowledgement: the new RTT is in force
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
 models = _load("rgpu_bench_models", REPO / "rgpu" / "models.py")
 
 LM = {"vocab": 65, "width": 128, "heads": 4, "layers": 4, "context": 64}  # as bench_training.py
@@ -116,7 +139,7 @@ def sweep_ours(rtts: list[float], steps: int, modes: tuple[str, ...]) -> dict[st
     results: dict[str, list[dict]] = {m: [] for m in modes}
     try:
         for rtt_ms in rtts:
-            link = netem.LinkEmulator(port, rtt_s=rtt_ms / 1000)
+            link = Link(port, rtt_ms)
             try:
                 session = rgpu.connect(link.url)
                 for mode in modes:
@@ -179,11 +202,11 @@ def sweep_published(rtts: list[float], steps: int) -> dict[str, Any]:
     error = None
     # one link for every point, its latency changed in between: rgpu 0.1.1 keeps the address it
     # first connected to
-    link = netem.LinkEmulator(port)
+    link = Link(port)
     os.environ["RGPU_OPSERVER"] = f"127.0.0.1:{link.port}"
     try:
         for rtt_ms in rtts:
-            link.rtt_s = rtt_ms / 1000
+            link.set_rtt(rtt_ms)
             try:
                 t0 = time.perf_counter()
                 point = measure(make_loop("item", "rgpu", rgpu), rgpu.stats, steps, warmup=1)
@@ -215,7 +238,7 @@ def compression_at_10mbit(steps: int) -> list[dict]:
         for rtt_ms in (0, 50):
             for setting in ("0", "1"):
                 os.environ["RGPU_COMPRESS"] = setting
-                link = netem.LinkEmulator(port, rtt_s=rtt_ms / 1000, bandwidth_bps=10e6 / 8)
+                link = Link(port, rtt_ms, mbit=10)
                 try:
                     rgpu.connect(link.url)
                     point = measure(make_loop("item", "rgpu", rgpu), rgpu.stats, steps)
@@ -254,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         **doc_header("latency", client),
         "workload": f"TinyLM {LM}, batch {BATCH}, AdamW; {args.steps} steps per point after 3 "
-        "warm-up steps, ending with a synchronize; every point goes through rgpu.netem",
+        "warm-up steps, ending with a synchronize; every point goes through rgpu.netem, run as its own process",
     }
     if args.published:
         doc["published"] = sweep_published(rtts, args.steps)

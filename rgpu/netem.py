@@ -6,7 +6,9 @@ on a real network (round-trip latency, a bandwidth cap), or to cut connections o
 
 Each direction is a delay line: bytes read at time t are written at t + rtt/2 (in order, without
 holding up the bytes behind them), no faster than the bandwidth cap. It runs its own asyncio loop
-on a thread, so benchmarks and tests drive it with plain calls.
+on a thread, so benchmarks and tests drive it with plain calls. Run it as its own process
+(`python -m rgpu.netem`) when the client is busy: in the client's process its thread competes for
+the GIL with the thread issuing ops, and a latency-delayed delivery then waits for the GIL too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -185,6 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--listen", type=int, default=9721, help="local port to listen on")
     p.add_argument("--rtt-ms", type=float, default=50.0, help="round-trip latency to add")
     p.add_argument("--mbit", type=float, default=None, help="bandwidth cap per direction, Mbit/s")
+    p.add_argument(
+        "--control-stdin",
+        action="store_true",
+        help="read a new RTT in ms from each line of stdin; exit at end of input",
+    )
     args = p.parse_args(argv)
     host, port = args.target.rsplit(":", 1)
     link = LinkEmulator(
@@ -198,9 +206,16 @@ def main(argv: list[str] | None = None) -> None:
         f"rgpu.netem: ws://127.0.0.1:{link.port} -> {args.target}, RTT {args.rtt_ms} ms", flush=True
     )
     try:
-        threading.Event().wait()
+        if args.control_stdin:  # a benchmark changes the latency of live connections this way
+            for line in sys.stdin:
+                if line.strip():
+                    link.rtt_s = float(line) / 1000
+                    print(f"rgpu.netem: RTT {float(line)} ms", flush=True)
+        else:
+            threading.Event().wait()
     except KeyboardInterrupt:
-        link.close()
+        pass
+    link.close()
 
 
 if __name__ == "__main__":

@@ -813,7 +813,9 @@ class Session:
         Read it after `torch.rgpu.synchronize()` or once an `rgpu.Event` recorded after this
         call reports done; a failure is raised at the next wait. No wait is spent here."""
         numel = w.numel()
-        target = into if into is not None else torch.empty(tuple(w.shape), dtype=w.dtype)
+        shape = tuple(w.shape)  # the closures below must not keep `w` alive: freed on the reader
+        # thread, its FREE would join the stream at a moment that depends on timing
+        target = into if into is not None else torch.empty(shape, dtype=w.dtype)
         direct = target.is_contiguous() and target.dtype == w.dtype and target.numel() == numel
         flat = target.reshape(-1) if direct else torch.empty(numel, dtype=w.dtype)
         nbytes = numel * flat.element_size()
@@ -827,7 +829,7 @@ class Session:
                 if waiter.status is Status.OK:
                     _fill(view, nbytes, waiter.value)
                     if not direct:
-                        target.copy_(flat.view(tuple(w.shape)))
+                        target.copy_(flat.view(shape))
                 elif waiter.status is Status.ERROR:
                     self._note_async_error(waiter)
             except Exception as e:
