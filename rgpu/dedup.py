@@ -14,14 +14,10 @@ already remembered, and otherwise overlapped with sending the chunks.
 from __future__ import annotations
 
 import hashlib
-import os
 import weakref
 from typing import Any
 
 import torch
-
-MIN_BYTES = int(os.environ.get("RGPU_DEDUP_MIN_BYTES", 4096) or 4096)
-ENABLED = os.environ.get("RGPU_DEDUP", "1") not in ("0", "")
 
 
 def digest(view: memoryview) -> bytes:
@@ -29,7 +25,10 @@ def digest(view: memoryview) -> bytes:
 
 
 class UploadIndex:
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True, min_bytes: int = 4096) -> None:
+        """The session passes RGPU_DEDUP and RGPU_DEDUP_MIN_BYTES (read as its other settings)."""
+        self.enabled = enabled
+        self.min_bytes = min_bytes
         # (dtype, shape, sha256) -> (weakref to the RemoteTensor holding those bytes, its version)
         self._by_content: dict[tuple, tuple[Any, int | None]] = {}
         self._layouts: dict[tuple, int] = {}  # (dtype, shape) -> how many remembered

@@ -55,10 +55,6 @@ class LinkEmulator:
     def url(self) -> str:
         return f"ws://127.0.0.1:{self.port}"
 
-    @property
-    def latency_s(self) -> float:  # kept for callers that think in one-way terms
-        return self.rtt_s / 2
-
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
 

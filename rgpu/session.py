@@ -225,7 +225,11 @@ class Session:
         self.flush_bytes = min(self.flush_bytes, self.max_message // 2)
         self._writer = self._new_writer(self.conn)
         self.graphs: set[str] = set()  # compiled graphs this session already sent (by content key)
-        self.uploads = dedup.UploadIndex()  # what the server holds, by content, for dedup
+        # what the server holds, by content, for dedup
+        self.uploads = dedup.UploadIndex(
+            enabled=os.environ.get("RGPU_DEDUP", "1") not in ("0", ""),
+            min_bytes=_env_int("RGPU_DEDUP_MIN_BYTES", 4096),
+        )
         self._quiet = threading.Thread(
             target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
         )
@@ -710,7 +714,7 @@ class Session:
         index = self.uploads
         index.settle()
         sha = None
-        if dedup.ENABLED and nbytes >= dedup.MIN_BYTES:
+        if index.enabled and nbytes >= index.min_bytes:
             if index.worth_hashing(src) or nbytes <= INLINE_UPLOAD:
                 sha = dedup.digest(byte_view(src))
                 holder = index.find(src, sha)
@@ -727,7 +731,7 @@ class Session:
             if sha is not None:
                 index.remember(dst, src, sha)
             return
-        hasher = hashlib.sha256() if dedup.ENABLED and sha is None else None
+        hasher = hashlib.sha256() if index.enabled and sha is None else None
         tag = object()  # marks this upload's chunks in the writer's queue
         upload = ChunkedUpload(src, src._version, nbytes)
         progress = TransferProgress(nbytes, "rgpu upload")
@@ -763,7 +767,7 @@ class Session:
                 with self.lock:
                     self._cancel_upload(seq, tag)
                 raise
-            if dedup.ENABLED:
+            if index.enabled:
                 index.remember(dst, src, sha if sha is not None else hasher.digest())
         finally:
             progress.close()

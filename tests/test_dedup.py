@@ -11,6 +11,8 @@ import textwrap
 
 import torch
 
+import rgpu
+
 MB = 1 << 20
 
 
@@ -115,3 +117,13 @@ def test_dedup_can_be_switched_off(server):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def test_a_bad_min_bytes_setting_falls_back_to_the_default(server, monkeypatch):
+    # read per session, like the other RGPU_* settings: importing rgpu never raises over it
+    monkeypatch.setenv("RGPU_DEDUP_MIN_BYTES", "lots")
+    rgpu.connect(server.url)
+    src = torch.randn(64, 64)  # 16 kB, over the default 4 kB
+    a, b = src.to("rgpu"), src.to("rgpu")
+    assert torch.equal(b.cpu(), src) and torch.equal(a.cpu(), src)
+    assert rgpu.stats()["dedup_hits"] == 1

@@ -104,11 +104,10 @@ class GraphCache:
         gm, seeded = build(nodes, device)
         fn: Any = gm
         if compiler == "inductor":
-            with _COMPILE_LOCK:  # not while another session's graph compiles
-                # not fullgraph=True: its check shares one process-wide counter with every other
-                # compiled call, so two sessions' calls at once made it fail spuriously; a graph
-                # of aten calls has nothing to break on anyway
-                fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
+            # not fullgraph=True: its check shares one process-wide counter with every other
+            # compiled call, so two sessions' calls at once made it fail spuriously; a graph of
+            # aten calls has nothing to break on anyway. (Compiling happens at the first call.)
+            fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
         graph = Graph(key, fn, len(nodes), seeded, compiler)
         with self._lock:
             self._graphs.setdefault(key, graph)
