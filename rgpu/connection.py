@@ -59,7 +59,7 @@ def split_token(url: str) -> tuple[str, str | None]:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, rest, "")), token
 
 
-def _ssl_context(url: str) -> ssl.SSLContext | None:
+def ssl_context(url: str) -> ssl.SSLContext | None:
     """Verify the server's certificate by default; RGPU_CA_BUNDLE adds a private CA."""
     if not url.lower().startswith("wss://"):
         return None
@@ -89,7 +89,7 @@ def _connect_kwargs(url: str, token: str | None, open_timeout: float) -> dict[st
         kwargs["proxy"] = os.environ.get("RGPU_PROXY") or None
     if token:
         kwargs["additional_headers"] = {"Authorization": f"Bearer {token}"}
-    ctx = _ssl_context(url)
+    ctx = ssl_context(url)
     if ctx is not None:
         kwargs["ssl"] = ctx
     return kwargs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import logging
 import os
 import threading
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from . import dedup
-from .connection import Connection, split_token
+from .connection import Connection, split_token, ssl_context
 from .errors import (
     AuthError,
     ConnectionLost,
@@ -29,6 +30,7 @@ from .errors import (
     RgpuError,
     SessionLost,
 )
+from .lane import Lane, LaneError
 from .progress import TransferProgress
 from .protocol import (
     DEFAULT_LIMITS,
@@ -49,6 +51,7 @@ from .protocol import (
     parse_chunk,
     parse_reply,
 )
+from .protocol.lane import INTERRUPTED_TICKET
 from .replay import ChunkedUpload, ReplayBuffer
 from .tensor import RemoteTensor
 from .writer import FrameWriter
@@ -67,6 +70,9 @@ COMPRESS_MIN_BYTES = 256  # smaller batches gain too little to be worth compress
 SLOW_LINK_RTT_S = 0.010  # a link with a longer round trip is a WAN: compress batches...
 SLOW_LINK_BPS = 50e6  # ...and so is one measured below 400 Mbit/s
 LINK_PROBE_BYTES = 1 << 20  # downloads this large measure the link's throughput
+LANE_BYTES_PER_RTT = 1e9  # a lane transfer waits one extra round trip: worth it past 1 GB/s x RTT
+LANE_RETRY_S = 30.0  # after a lane fails to open, transfers use the websocket this long
+LANE_HASH_BELOW_BPS = 500e6  # lane uploads are hashed for dedup when the lane is slower than this
 
 
 def _compress_mode() -> str:
@@ -190,6 +196,15 @@ class Session:
         self.compression_saved = 0  # bytes the compressed batches did not put on the wire
         self.link_rtt_s = 0.0  # measured: the handshake, then every ping
         self.link_bps: float | None = None  # measured: the last download of a megabyte or more
+        # the bulk lane (rgpu/lane.py): large transfers as raw bytes on a second connection
+        self.lane_enabled = os.environ.get("RGPU_LANE", "1") not in ("0", "")
+        self.lane_min_bytes = _env_int("RGPU_LANE_MIN_BYTES", 4 << 20)
+        self.lane_transfers = 0
+        self.lane_bps = float("inf")  # measured by each lane upload
+        self._lane: Lane | None = None
+        self._lane_lock = threading.Lock()
+        self._lane_retry_at = 0.0
+        self._tickets = itertools.count(1)
         # The queue: messages _first_seq, _first_seq + 1, ... not yet handed to the writer. A
         # message's sequence number is its position, never a separate counter, so an interrupt
         # between two statements cannot make numbers and messages disagree.
@@ -222,6 +237,8 @@ class Session:
         self.device_name: str = str(welcome.get("device_name", "?"))
         self.max_chunk = min(int(welcome.get("max_chunk", UPLOAD_CHUNK)), UPLOAD_CHUNK)
         self.max_message = int(welcome.get("max_message", DEFAULT_LIMITS.max_message))
+        lane_info = welcome.get("lane")
+        self._lane_info: dict | None = lane_info if isinstance(lane_info, dict) else None
         self.flush_bytes = min(self.flush_bytes, self.max_message // 2)
         self._writer = self._new_writer(self.conn)
         self.graphs: set[str] = set()  # compiled graphs this session already sent (by content key)
@@ -731,6 +748,15 @@ class Session:
             if sha is not None:
                 index.remember(dst, src, sha)
             return
+        lane = self._lane_for(nbytes)
+        if lane is not None:
+            # hashing (about 1.2 GB/s) pays only where sending is slower than that
+            hash_too = index.enabled and not sha and self.lane_bps < LANE_HASH_BELOW_BPS
+            sent, digest = self._upload_by_lane(lane, dst, src, nbytes, hash_too)
+            if sent:
+                if index.enabled:
+                    index.remember(dst, src, sha or digest)
+                return
         hasher = hashlib.sha256() if index.enabled and sha is None else None
         tag = object()  # marks this upload's chunks in the writer's queue
         upload = ChunkedUpload(src, src._version, nbytes)
@@ -772,6 +798,83 @@ class Session:
         finally:
             progress.close()
 
+    def _upload_by_lane(
+        self, lane: Lane, dst: RemoteTensor, src: torch.Tensor, nbytes: int, hash_too: bool
+    ) -> tuple[bool, bytes]:
+        """Stage the bytes on the server over the lane, then post the UPLOAD that claims them.
+        (False, _) with nothing posted when the lane failed: the caller sends them over the
+        websocket. With `hash_too`, a thread hashes the bytes for dedup while they go out (both
+        release the GIL); the digest comes back second."""
+        ticket = next(self._tickets)
+        progress = TransferProgress(nbytes, "rgpu upload")
+        digest: list[bytes] = [b""]
+        hasher = None
+        if hash_too:
+            hasher = threading.Thread(
+                target=lambda: digest.__setitem__(0, dedup.digest(byte_view(src))),
+                name="rgpu-hash",
+                daemon=True,
+            )
+            hasher.start()
+        t0 = time.perf_counter()
+        try:
+            lane.put(ticket, byte_view(src), progress.update_to)
+            self.lane_bps = nbytes / max(time.perf_counter() - t0, 1e-6)
+            if hasher is not None:
+                hasher.join()
+        except LaneError as e:
+            self._lane_failed(lane, e)
+            return False, b""
+        except BaseException:  # Ctrl-C: the destination must say it holds no data
+            self.post((Kind.UPLOAD, dst, [src.dtype, list(src.shape), nbytes, INTERRUPTED_TICKET]))
+            raise
+        finally:
+            progress.close()
+        self.post((Kind.UPLOAD, dst, [src.dtype, list(src.shape), nbytes, ticket]))
+        self.bytes_out += nbytes
+        self.lane_transfers += 1
+        return True, digest[0]
+
+    def _lane_for(self, nbytes: int) -> Lane | None:
+        """The open lane, opening it if need be, when a transfer of `nbytes` should use it."""
+        if (
+            not self.lane_enabled
+            or nbytes < self.lane_min_bytes
+            or nbytes < self.link_rtt_s * LANE_BYTES_PER_RTT
+            or self._lane_info is None
+            or os.environ.get("RGPU_PROXY")  # the websocket library speaks to proxies; we don't
+        ):
+            return None
+        with self._lane_lock:
+            lane = self._lane
+            if lane is not None and not lane.closed:
+                return lane
+            if time.monotonic() < self._lane_retry_at:
+                return None
+            try:
+                lane = Lane(
+                    self.url,
+                    path=str(self._lane_info.get("path", "/lane")),
+                    token=self._token,
+                    session=self._session_bytes,
+                    key=bytes(self._lane_info.get("key", b"")),
+                    ssl_context=ssl_context(self.url),
+                    timeout=self._open_timeout,
+                )
+            except Exception as e:  # refused, unreachable, TLS: the websocket carries the bytes
+                log.info(
+                    "rgpu: no bulk lane to %s (%s); large transfers use the websocket", self.url, e
+                )
+                self._lane_retry_at = time.monotonic() + LANE_RETRY_S
+                self._lane = None
+                return None
+            self._lane = lane
+            return lane
+
+    def _lane_failed(self, lane: Lane, exc: BaseException) -> None:
+        log.info("rgpu: the bulk lane failed (%s); the transfer goes over the websocket", exc)
+        lane.close()
+
     def _cancel_upload(self, seq: int, tag: object) -> None:
         """Withdraw an upload's unwritten chunks and tell the server to drop it (dst is poisoned)."""
         self._writer.withdraw(tag)
@@ -798,10 +901,12 @@ class Session:
                 timing[0], timing[2] = time.perf_counter(), len(payload)
             view[offset : offset + len(payload)] = payload
 
-        value = self.request(
-            (Kind.DOWNLOAD, w), sink, progress=TransferProgress(nbytes, "rgpu download")
-        )
-        _fill(view, nbytes, value)
+        lane = self._lane_for(nbytes)
+        if lane is None or not self._download_by_lane(lane, w, view, sink):
+            value = self.request(
+                (Kind.DOWNLOAD, w), sink, progress=TransferProgress(nbytes, "rgpu download")
+            )
+            _fill(view, nbytes, value)
         if nbytes >= LINK_PROBE_BYTES and timing[1] > timing[0]:
             # the pace of the data itself, not the wait for the ops before it
             self.link_bps = (nbytes - timing[2]) / (timing[1] - timing[0])
@@ -810,6 +915,43 @@ class Session:
         if out.stride() != stride and dense_strides(shape, stride):
             out = torch.empty_strided(shape, stride, dtype=dtype).copy_(out)
         return out
+
+    def _download_by_lane(
+        self, lane: Lane, w: RemoteTensor, view: memoryview, sink: Callable
+    ) -> bool:
+        """Ask for the bytes on the lane (one wait). False when they must be asked for again
+        over the websocket: the lane closed before they were all in."""
+        nbytes = len(view)
+        ticket = next(self._tickets)
+        try:
+            receipt = lane.expect(ticket, view)
+        except LaneError:
+            return False
+        try:
+            value = self.request((Kind.DOWNLOAD, w, ticket), sink)
+        except BaseException:
+            lane.forget(ticket)
+            raise
+        if not (type(value) is list and len(value) == 2 and value[0] == "lane"):
+            lane.forget(ticket)  # the server sent them inline or over the websocket
+            _fill(view, nbytes, value)
+            return True
+        if value[1] != nbytes:
+            lane.forget(ticket)
+            raise ProtocolViolation(f"download of {nbytes} bytes returned {value[1]}")
+        progress = TransferProgress(nbytes, "rgpu download")
+        t0 = time.perf_counter()
+        try:
+            ok = lane.wait(receipt, ticket, progress.update_to)
+        finally:
+            progress.close()
+            self.wait_seconds += time.perf_counter() - t0
+        if not ok:
+            self._lane_failed(lane, LaneError("it closed during a download"))
+            return False
+        self.bytes_in += nbytes
+        self.lane_transfers += 1
+        return True
 
     def download_async(self, w: RemoteTensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """Non-blocking readback: a CPU tensor returned now and filled when the reply arrives.
@@ -882,6 +1024,8 @@ class Session:
         self._quiet_kick.set()
         self._writer.close()
         self.conn.close(CloseCode.BYE)
+        if self._lane is not None:
+            self._lane.close()
         for w in list(self._waiters.values()):
             w.event.set()
         if self.local_process is not None:
@@ -926,6 +1070,7 @@ class Session:
             "dedup_bytes_saved": self.uploads.bytes_saved,
             "compressed_frames": self.compressed_frames,
             "compression_saved": self.compression_saved,
+            "lane_transfers": self.lane_transfers,
         }
 
 

@@ -54,7 +54,10 @@ def test_training_through_fifty_random_cuts_is_bit_identical(server, proxied):
     print(f"\n{proxy.cuts} cuts, {session.reconnects} resumes, {proxy.connections} connections")
 
 
-def test_cuts_at_chosen_points_mid_batch_and_mid_reply(server, proxied):
+def test_cuts_at_chosen_points_mid_batch_and_mid_reply(server, proxied, monkeypatch):
+    # the websocket itself is cut mid-upload and mid-download here, so the 8 MB transfers must
+    # ride on it (test_lane.py cuts the lane instead)
+    monkeypatch.setenv("RGPU_LANE", "0")
     proxy = proxied()
     session = rgpu.connect(proxy.url)
     x = torch.arange(1000.0, device="rgpu")

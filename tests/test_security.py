@@ -26,7 +26,7 @@ def test_a_missing_or_wrong_token_is_refused_before_any_session(server, no_env_t
     with pytest.raises(rgpu.AuthError, match="it is not the server's"):
         rgpu.connect(server.url, token="not-the-token")
     deadline = time.time() + 5
-    while "refused 127.0.0.1" not in server.log() and time.time() < deadline:
+    while "wrong token" not in server.log() and time.time() < deadline:  # the later one
         time.sleep(0.05)
     assert re.search(r"refused 127\.0\.0\.1:\d+: no token", server.log())
     assert re.search(r"refused 127\.0\.0\.1:\d+: wrong token", server.log())
@@ -169,6 +169,9 @@ def test_tls_with_a_private_ca(tls_files, monkeypatch):
         rgpu.connect(srv.url)
         x = torch.randn(300_000)  # chunked transfers over TLS too
         assert torch.equal(x.to("rgpu").cpu(), x)
+        big = torch.randn(3_000_000)  # and the bulk lane, over TLS as well
+        assert torch.equal(big.to("rgpu").cpu(), big)
+        assert rgpu.stats()["lane_transfers"] == 2
     finally:
         rgpu.disconnect()
         srv.stop()

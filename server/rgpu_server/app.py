@@ -34,8 +34,10 @@ from rgpu.protocol import (
     torch_major_minor,
     welcome_frame,
 )
+from rgpu.protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
 
 from . import __version__, kernels
+from .lane import LaneProtocol, ServerLane
 from .session import Session
 
 log = logging.getLogger("rgpu_server")
@@ -109,6 +111,7 @@ class RgpuServer:
         self._closing = False
         self._expired: list[Session] = []  # stopped sessions whose worker threads are ending
         self._owner: dict[bytes, ServerConnection] = {}  # session id -> the connection it runs on
+        self._lanes: set[ServerLane] = set()
 
     @property
     def scheme(self) -> str:
@@ -153,7 +156,7 @@ class RgpuServer:
             )
         token = self.config.token
         if token is None:
-            return None
+            return self._authorize_lane(connection, request)
         header = request.headers.get("Authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
         if not hmac.compare_digest(given.encode(), token.encode()):
@@ -165,6 +168,22 @@ class RgpuServer:
                 http.HTTPStatus.UNAUTHORIZED,
                 "rgpu-server: missing or wrong token. Pass it with rgpu.connect(url, token=...), "
                 "RGPU_TOKEN, or ?token=... in the URL.\n",
+            )
+        return self._authorize_lane(connection, request)
+
+    def _authorize_lane(self, connection: ServerConnection, request):
+        """A lane must name a live session and carry that session's lane key."""
+        if request.path.split("?")[0] != LANE_PATH:
+            return None
+        try:
+            session = self.sessions.get(bytes.fromhex(request.headers.get(SESSION_HEADER, "")))
+            key = bytes.fromhex(request.headers.get(KEY_HEADER, ""))
+        except ValueError:
+            session, key = None, b""
+        if session is None or session.ended or not hmac.compare_digest(key, session.lane_key):
+            return connection.respond(
+                http.HTTPStatus.FORBIDDEN,
+                "rgpu-server: a lane needs the id and lane key of a live session\n",
             )
         return None
 
@@ -209,6 +228,8 @@ class RgpuServer:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(not s.idle() for s in self.sessions.values()):
             await asyncio.sleep(0.05)
+        for lane in list(self._lanes):
+            lane.close()
         for ws in list(self._connections):
             await ws.close(
                 CloseCode.GOING_AWAY, "rgpu-server is shutting down; its tensors are gone"
@@ -247,8 +268,38 @@ class RgpuServer:
 
     # -- one connection ------------------------------------------------------------------------
 
+    async def _serve_lane(self, ws: ServerConnection, peer: str) -> None:
+        """Take the upgraded connection away from the websocket protocol and run it raw."""
+        session = self.sessions.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
+        if session is None or session.ended:
+            return
+        if ws.keepalive_task is not None:  # no pings into a raw stream
+            ws.keepalive_task.cancel()
+        lane = LaneProtocol(session.staged, session.max_lane_bytes, peer)
+        ws.transport.set_protocol(lane)
+        lane.start(ws.transport)
+        server_lane = ServerLane(lane, asyncio.get_running_loop())
+        old = session.lane
+        session.lane = server_lane
+        if old is not None:
+            old.close()
+        self._lanes.add(server_lane)
+        log.debug("session %s opened a lane from %s", session.hex, peer)
+        try:
+            await lane.closed
+        finally:
+            self._lanes.discard(server_lane)
+            if session.lane is server_lane:
+                session.lane = None
+            # the websocket object never sees this connection again: tell it the connection is
+            # over, so it skips the closing handshake a raw stream cannot carry
+            ws.connection_lost(None)
+
     async def _handle(self, ws: ServerConnection) -> None:
         peer = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
+        if ws.request is not None and ws.request.path.split("?")[0] == LANE_PATH:
+            await self._serve_lane(ws, peer)
+            return
         try:
             first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
             if isinstance(first, str):
@@ -345,6 +396,7 @@ class RgpuServer:
                     "max_chunk": min(
                         self.config.limits.max_chunk, self.config.limits.max_message // 2
                     ),
+                    "lane": {"path": LANE_PATH, "key": session.lane_key},
                 }
             )
         )

@@ -11,6 +11,7 @@ import collections
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -43,8 +44,10 @@ from rgpu.protocol import (
     unpack_ref,
 )
 from rgpu.protocol.codec import Device
+from rgpu.protocol.lane import INTERRUPTED_TICKET
 
 from . import graphs
+from .lane import DEFAULT_STAGE_LIMIT, ServerLane, StagedUploads
 from .ops import OpRefused, resolve
 from .ops import _cache as _resolved
 
@@ -184,6 +187,12 @@ class Session:
         self._bad: Any = None  # first missing id or Poison met while decoding the current message
         self._refs: dict[int, int] = {}  # id() of each tensor the current message names -> its id
         self._keep: list = []  # views built for the current message (their id()s stay valid)
+        # the bulk lane: its key (sent in WELCOME), uploads staged on it, the open lane if any
+        self.lane_key = secrets.token_bytes(16)
+        self.staged = StagedUploads(quota if quota is not None else DEFAULT_STAGE_LIMIT)
+        self.max_lane_bytes = quota if quota is not None else DEFAULT_STAGE_LIMIT
+        self.lane: ServerLane | None = None
+        self.lane_transfers = 0
         self._worker = threading.Thread(
             target=self._run, name=f"rgpu-session-{self.hex}", daemon=True
         )
@@ -275,6 +284,9 @@ class Session:
             self.ended = True
             self.tensors.clear()
             self._replies.clear()
+            self.staged.clear()
+            if self.lane is not None:
+                self.lane.close()
 
     def _protocol_failure(self, message: str) -> None:
         """The stream is not understood: say so and end the session (its state is unknown)."""
@@ -897,7 +909,16 @@ class Session:
         if len(msg) != 3:
             raise ProtocolError("UPLOAD takes a destination and data")
         dst, data = msg[1], msg[2]
-        if type(data) is list:  # chunked: [dtype, shape, nbytes], CHUNK frames follow
+        staged = None  # a lane buffer, given back once its bytes are copied out
+        if type(data) is list and len(data) == 4:  # on the lane: [dtype, shape, nbytes, ticket]
+            if data[3] == INTERRUPTED_TICKET:
+                self._poison_interrupted(dst)
+                return
+            staged = self._staged_upload(data)
+            if staged is None:
+                return
+            host = staged[1]
+        elif type(data) is list:  # chunked: [dtype, shape, nbytes], CHUNK frames follow
             dtype, shape, nbytes = self._chunk_header(data)
             write = self._direct_writer(dst, dtype, shape)
             staging = None
@@ -916,11 +937,7 @@ class Session:
             try:
                 self._receive_chunks(seq, nbytes, write)
             except UploadAborted:
-                poison = Poison(
-                    "upload", "the upload was interrupted on the client; this tensor holds no data"
-                )
-                if isinstance(dst, torch.Tensor) and id(dst) in self._refs:
-                    self.tensors[self._refs[id(dst)]] = poison
+                self._poison_interrupted(dst)
                 return
             if dst is None:
                 if self._bad is None:
@@ -952,8 +969,34 @@ class Session:
         try:
             with torch.no_grad():
                 dst.copy_(host)
+            if staged is not None:
+                self.staged.recycle(staged[0])
         except Exception as e:
             self._fail("upload", _describe(e), ())
+
+    def _poison_interrupted(self, dst: Any) -> None:
+        poison = Poison(
+            "upload", "the upload was interrupted on the client; this tensor holds no data"
+        )
+        if isinstance(dst, torch.Tensor) and id(dst) in self._refs:
+            self.tensors[self._refs[id(dst)]] = poison
+
+    def _staged_upload(self, header: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(buffer, host tensor) of an upload staged on the lane; None (the upload failed) if it
+        is not there."""
+        ticket = header[3]
+        dtype, shape, nbytes = self._chunk_header(header[:3])
+        if type(ticket) is not int:
+            raise ProtocolError("a lane UPLOAD's ticket must be an integer")
+        staged = self.staged.take(ticket)
+        if staged is None or staged.numel() != nbytes:
+            self._fail(
+                "upload", f"no {nbytes} bytes were staged on the lane as upload {ticket}", ()
+            )
+            return None
+        self.lane_transfers += 1
+        host = staged.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        return staged, host
 
     def _direct_writer(self, dst: Any, dtype: torch.dtype, shape: list):
         """Write chunks straight into dst when its bytes are exactly the upload's bytes (saves a
@@ -1034,8 +1077,11 @@ class Session:
             got += len(payload)
 
     def _download(self, seq: int, msg: list) -> None:
-        if len(msg) != 2:
-            raise ProtocolError("DOWNLOAD takes one tensor reference")
+        if len(msg) not in (2, 3):
+            raise ProtocolError("DOWNLOAD takes one tensor reference (and a lane ticket)")
+        ticket = msg[2] if len(msg) == 3 else None
+        if ticket is not None and type(ticket) is not int:
+            raise ProtocolError("a DOWNLOAD's lane ticket must be an integer")
         if self._error_pending(seq):
             return
         t = msg[1]
@@ -1063,6 +1109,11 @@ class Session:
         n = len(data)
         if n <= INLINE_DOWNLOAD:
             self._reply(seq, Status.OK, bytes(data))
+            return
+        lane = self.lane
+        if ticket is not None and lane is not None and lane.send(ticket, data):
+            self.lane_transfers += 1
+            self._reply(seq, Status.OK, ["lane", n])  # a lost lane: the client asks again
             return
         frames = [
             chunk_frame(Frame.DATA, seq, off, data[off : off + DOWNLOAD_CHUNK])
@@ -1124,6 +1175,8 @@ class Session:
             "conformed": self.conformed,
             "quota": self.quota,
             "graphs": len(self.graphs),
+            "lane_transfers": self.lane_transfers,
+            "lane_staged_bytes": self.staged.nbytes,
             "compile": graphs.CACHE.counters(),
             "device": str(self.device),
             "server": self.server_info() if self.server_info is not None else {},
