@@ -140,13 +140,19 @@ def test_a_lane_needs_the_session_key(server):
     lane = Lane(server.url, path="/lane", token=session._token, session=session._session_bytes,
                 key=session._lane_info["key"])  # fmt: skip
     lane.close()
-    # a raw request without the headers is refused before any upgrade
-    with socket.create_connection((host, port)) as s:
-        s.sendall(
-            b"GET /lane HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        )
-        assert s.recv(100).split(b"\r\n")[0] in (b"HTTP/1.1 401 Unauthorized", b"HTTP/1.1 403 Forbidden")
+    # raw requests: without the token, 401; with it but without the lane headers, 403
+    for auth, status in (
+        (b"", b"401"),
+        (f"Authorization: Bearer {session._token}\r\n".encode(), b"403"),
+    ):
+        with socket.create_connection((host, port)) as s:
+            s.sendall(
+                b"GET /lane HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                + auth
+                + b"\r\n"
+            )
+            assert s.recv(100).split(b"\r\n")[0].split(b" ")[1] == status
     x = torch.randn(BIG)
     assert torch.equal(x.to("rgpu").cpu(), x)
 
