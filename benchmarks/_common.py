@@ -58,6 +58,8 @@ class Remote:
     sync: Callable[[], None]  # torch.rgpu.synchronize
     server_pid: int | None = None  # a server on this machine: its CPU time is reported too
     device: str = "rgpu"
+    # turns this repo's bulk lane on or off, so transfers are also measured as websocket frames
+    set_lane: Callable[[bool], None] | None = None
 
     def cpu_seconds(self) -> tuple[float, float | None]:
         """CPU seconds used so far by this process (all threads) and by the server process."""
@@ -296,7 +298,22 @@ def bench_transfer(remote: Remote, nbytes: int = 256 << 20, repeats: int = 3) ->
     sock: list[float] = []
     up_stats: dict[str, Any] = {}
     down_stats: dict[str, Any] = {}
+    ws_up: list[float] = []
+    ws_down: list[float] = []
     for r in range(repeats):
+        if remote.set_lane is not None:  # the same transfers as websocket frames, taking turns
+            remote.set_lane(False)
+            remote.sync()
+            t0 = time.perf_counter()
+            dev = host.to(remote.device)
+            remote.sync()
+            ws_up.append(nbytes / (time.perf_counter() - t0) / MB)
+            t0 = time.perf_counter()
+            back = dev.cpu()
+            ws_down.append(nbytes / (time.perf_counter() - t0) / MB)
+            del dev, back
+            remote.set_lane(True)
+            log(f"transfer {r} without the lane: up {ws_up[-1]:.0f} MB/s, down {ws_down[-1]:.0f}")
         remote.sync()
         before = remote.stats()
         t0 = time.perf_counter()
@@ -317,7 +334,11 @@ def bench_transfer(remote: Remote, nbytes: int = 256 << 20, repeats: int = 3) ->
             f"loopback socket {sock[-1]:.0f} MB/s"
         )
     up_med, down_med, sock_med = (statistics.median(v) for v in (up, down, sock))
+    websocket = (
+        {"upload_MBps": summary(ws_up), "download_MBps": summary(ws_down)} if ws_up else None
+    )
     return {
+        "websocket_only": websocket,  # RGPU_LANE=0: the bytes as CHUNK/DATA frames
         "workload": f"{nbytes >> 20} MiB float32: t.to('rgpu') + synchronize(); then .cpu()",
         "bytes": nbytes,
         "upload_MBps": summary(up),

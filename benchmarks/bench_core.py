@@ -84,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             "pinned": {"client": sorted(plan[0]), "server": sorted(plan[1])} if plan else None,
         }
         sync = torch.rgpu.synchronize  # type: ignore[attr-defined]
-        remote = Remote("rgpu", rgpu.stats, sync, server_pid=proc.pid if proc else None)
+        remote = Remote(
+            "rgpu",
+            rgpu.stats,
+            sync,
+            server_pid=proc.pid if proc else None,
+            set_lane=lambda on: setattr(session, "lane_enabled", on),
+        )
         doc = run_all(remote, header(f"rgpu {rgpu.__version__} (this repo)", server))
         rgpu.disconnect()
     finally:

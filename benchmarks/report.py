@@ -159,6 +159,17 @@ def section_core(core: dict[str, Any], pub: dict[str, Any] | None) -> list[str]:
         f"{mlp['final_loss_rgpu']:.6f}, local {mlp['final_loss_local']:.6f}.",
         "",
     ]
+    ws = tr.get("websocket_only")
+    if ws:
+        out[-1:] = [
+            "",
+            "Transfers of 4 MiB or more use the bulk lane (raw bytes on a second connection; "
+            "docs/protocol.md section 10). The same run, taking turns, with the lane off "
+            f"(`RGPU_LANE=0`, the bytes as websocket frames): upload "
+            f"{ws['upload_MBps']['median']:,.0f} MB/s, download "
+            f"{ws['download_MBps']['median']:,.0f} MB/s (medians).",
+            "",
+        ]
     return out
 
 
