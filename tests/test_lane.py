@@ -193,3 +193,17 @@ def test_lane_headers():
         parse_lane_header(bytes([0xFF]) + bytes(16), FROM_CLIENT, 1 << 30)
     with pytest.raises(ProtocolError, match="17 bytes"):
         parse_lane_header(h[:-1], FROM_CLIENT, 1 << 30)
+
+
+def test_a_lane_upload_replayed_after_a_websocket_cut_is_applied_once(lane_proxy):
+    proxy = lane_proxy([])
+    session = rgpu.connect(proxy.url)
+    host = torch.randn(BIG)
+    dev = host.to("rgpu")
+    dev.add_(1)  # applied once: twice would show
+    session.flush()
+    time.sleep(0.3)  # the server has applied both; the client has no ACK for them yet
+    proxy.cut_all()  # the websocket and the lane: the resume must not apply them again
+    assert torch.equal(dev.cpu(), host + 1)
+    assert session.stats()["reconnects"] == 1
+    assert session.stats()["lane_transfers"] == 2

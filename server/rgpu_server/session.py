@@ -391,8 +391,13 @@ class Session:
             if seq > self.last_seq:
                 self._execute(seq, msg)
                 self.last_seq = seq
-            elif msg[0] == Kind.UPLOAD and len(msg) == 3 and type(msg[2]) is list:
-                _, _, nbytes = self._chunk_header(msg[2])  # a replayed upload: drain its chunks
+            elif (
+                msg[0] == Kind.UPLOAD
+                and len(msg) == 3
+                and type(msg[2]) is list
+                and len(msg[2]) == 3
+            ):  # a replayed chunked upload: drain its chunks (a lane upload has none)
+                _, _, nbytes = self._chunk_header(msg[2])
                 try:
                     self._receive_chunks(seq, nbytes, lambda offset, payload: None)
                 except UploadAborted:
