@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import autocast, device_module, dispatch, host_memory, tensor
+from . import attention, autocast, device_module, dispatch, host_memory, tensor
 
 _libs: list[torch.library.Library] = []  # registrations die with their Library object
 _SKIP = (
@@ -71,6 +71,7 @@ def register() -> None:
     lib.impl("_copy_from_and_resize", dispatch.copy_from_and_resize, "PrivateUse1")
     autocast.install()
     host_memory.install()
+    attention.install(lib)
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt
 
