@@ -290,6 +290,25 @@ def socket_seconds(payload: memoryview) -> float:
     return dt
 
 
+def _round_trip(
+    remote: Remote, host: torch.Tensor
+) -> tuple[tuple[float, float], torch.Tensor, tuple[dict[str, Any], dict[str, Any]]]:
+    """Upload `host` (then a sync) and download it again: (MB/s up, MB/s down), what came back,
+    and the counters of each half."""
+    nbytes = host.numel() * host.element_size()
+    remote.sync()
+    before = remote.stats()
+    t0 = time.perf_counter()
+    dev = host.to(remote.device)
+    remote.sync()
+    up = nbytes / (time.perf_counter() - t0) / MB
+    mid = remote.stats()
+    t0 = time.perf_counter()
+    back = dev.cpu()
+    down = nbytes / (time.perf_counter() - t0) / MB
+    return (up, down), back, (stats_delta(before, mid), stats_delta(mid, remote.stats()))
+
+
 def bench_transfer(remote: Remote, nbytes: int = 256 << 20, repeats: int = 3) -> dict[str, Any]:
     host = torch.rand(nbytes // 4, dtype=torch.float32)
     payload = raw_bytes(host)
@@ -303,31 +322,17 @@ def bench_transfer(remote: Remote, nbytes: int = 256 << 20, repeats: int = 3) ->
     for r in range(repeats):
         if remote.set_lane is not None:  # the same transfers as websocket frames, taking turns
             remote.set_lane(False)
-            remote.sync()
-            t0 = time.perf_counter()
-            dev = host.to(remote.device)
-            remote.sync()
-            ws_up.append(nbytes / (time.perf_counter() - t0) / MB)
-            t0 = time.perf_counter()
-            back = dev.cpu()
-            ws_down.append(nbytes / (time.perf_counter() - t0) / MB)
-            del dev, back
+            rates, _, _ = _round_trip(remote, host)
             remote.set_lane(True)
+            ws_up.append(rates[0])
+            ws_down.append(rates[1])
             log(f"transfer {r} without the lane: up {ws_up[-1]:.0f} MB/s, down {ws_down[-1]:.0f}")
-        remote.sync()
-        before = remote.stats()
-        t0 = time.perf_counter()
-        dev = host.to(remote.device)
-        remote.sync()
-        up.append(nbytes / (time.perf_counter() - t0) / MB)
-        mid = remote.stats()
-        t0 = time.perf_counter()
-        back = dev.cpu()
-        down.append(nbytes / (time.perf_counter() - t0) / MB)
-        up_stats, down_stats = stats_delta(before, mid), stats_delta(mid, remote.stats())
+        (up_rate, down_rate), back, (up_stats, down_stats) = _round_trip(remote, host)
+        up.append(up_rate)
+        down.append(down_rate)
         if r == 0 and not torch.equal(back, host):
             raise SystemExit("the downloaded tensor differs from the uploaded one")
-        del dev, back
+        del back
         sock.append(nbytes / socket_seconds(payload) / MB)
         log(
             f"transfer {r}: up {up[-1]:.0f} MB/s, down {down[-1]:.0f} MB/s, "

@@ -64,3 +64,22 @@ def counted(dev):
     """Call it to get the stats accumulated since the test started."""
     torch.rgpu.synchronize()
     return StatsDelta()
+
+
+@pytest.fixture
+def proxied(server):
+    """FaultProxy(**kwargs) in front of the shared server (cuts, latency, a bandwidth cap)."""
+    from fault_proxy import FaultProxy
+    from rgpu_test_servers import port_of
+
+    proxies = []
+
+    def make(**kwargs) -> FaultProxy:
+        p = FaultProxy(port_of(server.url), **kwargs)
+        proxies.append(p)
+        return p
+
+    yield make
+    rgpu.disconnect()
+    for p in proxies:
+        p.close()

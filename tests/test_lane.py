@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from fault_proxy import FaultProxy
 from rgpu_test_servers import port_of
 
 import rgpu
@@ -94,19 +93,14 @@ def test_the_threshold_is_a_setting(server, monkeypatch):
 
 
 @pytest.fixture
-def lane_proxy(server):
-    proxies = []
+def lane_proxy(proxied):
+    """A proxy whose n-th connection is cut after budgets[n] bytes (None: never)."""
 
-    def make(budgets: list) -> FaultProxy:
+    def make(budgets: list):
         plan = iter(budgets)
-        p = FaultProxy(port_of(server.url), cut_budget=lambda: next(plan, None))
-        proxies.append(p)
-        return p
+        return proxied(cut_budget=lambda: next(plan, None))
 
-    yield make
-    rgpu.disconnect()
-    for p in proxies:
-        p.close()
+    return make
 
 
 def test_a_lane_cut_mid_upload_and_mid_download_loses_nothing(lane_proxy):

@@ -23,21 +23,6 @@ from rgpu_test_servers import ServerProcess, port_of
 import rgpu
 
 
-@pytest.fixture
-def proxied(server):
-    proxies = []
-
-    def make(**kwargs) -> FaultProxy:
-        p = FaultProxy(port_of(server.url), **kwargs)
-        proxies.append(p)
-        return p
-
-    yield make
-    rgpu.disconnect()
-    for p in proxies:
-        p.close()
-
-
 def test_training_through_fifty_random_cuts_is_bit_identical(server, proxied):
     rgpu.connect(server.url)
     clean = mlp_losses(30)
