@@ -65,6 +65,12 @@ class LinkEmulator:
 
         self._loop.run_until_complete(start())
         self._loop.run_forever()
+        # closed: let the pipes of aborted connections finish here, not as garbage on a dead loop
+        pending = asyncio.all_tasks(self._loop)
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.refusing:

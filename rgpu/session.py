@@ -754,7 +754,7 @@ class Session:
             hash_too = index.enabled and not sha and self.lane_bps < LANE_HASH_BELOW_BPS
             sent, digest = self._upload_by_lane(lane, dst, src, nbytes, hash_too)
             if sent:
-                if index.enabled:
+                if index.enabled and (sha or digest):  # unhashed lane uploads are not remembered
                     index.remember(dst, src, sha or digest)
                 return
         hasher = hashlib.sha256() if index.enabled and sha is None else None

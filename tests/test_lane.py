@@ -201,3 +201,19 @@ def test_a_lane_upload_replayed_after_a_websocket_cut_is_applied_once(lane_proxy
     assert torch.equal(dev.cpu(), host + 1)
     assert session.stats()["reconnects"] == 1
     assert session.stats()["lane_transfers"] == 2
+
+
+def test_lane_uploads_are_hashed_for_dedup_only_on_a_slow_lane(server):
+    session = rgpu.connect(server.url)
+    host = torch.randn(BIG)
+    a, b = host.to("rgpu"), host.to("rgpu")
+    # a fast lane: hashing would cost more than sending, so neither was hashed or remembered
+    assert session.stats()["dedup_hits"] == 0
+    assert session.uploads._layouts.get((host.dtype, tuple(host.shape)), 0) == 0
+    session.lane_bps = 100e6  # as if the last lane upload had run at 100 MB/s
+    c = host.to("rgpu")  # hashed while it goes out, and remembered
+    d = host.to("rgpu")  # the same bytes again: a copy on the server, nothing sent
+    assert session.stats()["dedup_hits"] == 1
+    assert session.stats()["lane_transfers"] == 3
+    for t in (a, b, c, d):
+        assert torch.equal(t.cpu(), host)

@@ -122,8 +122,9 @@ class LaneProtocol(asyncio.BufferedProtocol):
                 self._start_record()
             else:
                 self._finish_record()
-        except ProtocolError as e:
+        except (ProtocolError, RuntimeError, MemoryError) as e:  # a bad record, or no memory
             log.warning("lane from %s closed: %s", self.peer, e)
+            self._staging = None
             self.transport.close()
 
     def _start_record(self) -> None:
