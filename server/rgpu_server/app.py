@@ -273,8 +273,9 @@ class RgpuServer:
         session = self.sessions.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
         if session is None or session.ended:
             return
-        if ws.keepalive_task is not None:  # no pings into a raw stream
-            ws.keepalive_task.cancel()
+        keepalive = getattr(ws, "keepalive_task", None)
+        if keepalive is not None:  # no pings into a raw stream
+            keepalive.cancel()
         lane = LaneProtocol(session.staged, session.max_lane_bytes, peer)
         ws.transport.set_protocol(lane)
         lane.start(ws.transport)
