@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from rgpu_test_servers import port_of
 
 import rgpu
@@ -217,3 +219,13 @@ def test_lane_uploads_are_hashed_for_dedup_only_on_a_slow_lane(server):
     assert session.stats()["lane_transfers"] == 3
     for t in (a, b, c, d):
         assert torch.equal(t.cpu(), host)
+
+
+@given(st.binary(min_size=0, max_size=40), st.sampled_from([FROM_CLIENT, FROM_SERVER]))
+def test_hostile_lane_headers_raise_protocol_errors_only(data, allowed):
+    try:
+        kind, ticket, nbytes = parse_lane_header(data, allowed, 1 << 30)
+    except ProtocolError:
+        return
+    assert len(data) == HEADER_SIZE and kind in allowed and nbytes >= 0 and ticket >= 0
+    assert lane_header(kind, ticket, nbytes) == data
