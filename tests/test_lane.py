@@ -229,3 +229,28 @@ def test_hostile_lane_headers_raise_protocol_errors_only(data, allowed):
         return
     assert len(data) == HEADER_SIZE and kind in allowed and nbytes >= 0 and ticket >= 0
     assert lane_header(kind, ticket, nbytes) == data
+
+
+def test_threads_share_the_lane(server):
+    import threading
+
+    session = rgpu.connect(server.url)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(3):
+                host = torch.randn(1_200_000 + seed, generator=g)  # ~4.8 MB, all a little different
+                dev = host.to("rgpu")
+                assert torch.equal((dev * 2).cpu(), host * 2)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert session.stats()["lane_transfers"] == 4 * 3 * 2

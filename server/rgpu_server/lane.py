@@ -99,6 +99,8 @@ class LaneProtocol(asyncio.BufferedProtocol):
         self._ticket = 0
         self._staging: torch.Tensor | None = None
         self._drained: asyncio.Future | None = None
+        self._sending = False  # a DATA record is going out in pieces
+        self._held_acks: list[bytes] = []
 
     def start(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -145,7 +147,11 @@ class LaneProtocol(asyncio.BufferedProtocol):
     def _finish_record(self) -> None:
         staging, self._staging = self._staging, None
         self.staged.put(self._ticket, staging)
-        self.transport.write(lane_header(LaneRecord.ACK, self._ticket, staging.numel()))
+        ack = lane_header(LaneRecord.ACK, self._ticket, staging.numel())
+        if self._sending:  # never inside a DATA record's bytes: after it
+            self._held_acks.append(ack)
+        else:
+            self.transport.write(ack)
         self._target = memoryview(self._header)
         self._got = 0
 
@@ -162,13 +168,20 @@ class LaneProtocol(asyncio.BufferedProtocol):
     async def send(self, ticket: int, data: memoryview) -> None:
         if self.transport is None or self.transport.is_closing():
             raise ConnectionError("the lane is closed")
-        self.transport.write(lane_header(LaneRecord.DATA, ticket, len(data)))
-        for off in range(0, len(data), SEND_PIECE):
-            if self.transport.is_closing():
-                raise ConnectionError("the lane closed during a download")
-            self.transport.write(data[off : off + SEND_PIECE])
-            if self._drained is not None:
-                await self._drained
+        self._sending = True
+        try:
+            self.transport.write(lane_header(LaneRecord.DATA, ticket, len(data)))
+            for off in range(0, len(data), SEND_PIECE):
+                if self.transport.is_closing():
+                    raise ConnectionError("the lane closed during a download")
+                self.transport.write(data[off : off + SEND_PIECE])
+                if self._drained is not None:
+                    await self._drained
+        finally:
+            self._sending = False
+            acks, self._held_acks = self._held_acks, []
+            if acks and not self.transport.is_closing():
+                self.transport.write(b"".join(acks))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._staging = None  # a partial upload is dropped; the client sends it again or not
