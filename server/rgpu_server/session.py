@@ -974,7 +974,8 @@ class Session:
         try:
             with torch.no_grad():
                 dst.copy_(host)
-            if staged is not None:
+            if staged is not None and self.device.type in ("cpu", "cuda"):
+                # copy_ from pageable memory has read it all when it returns on these devices
                 self.staged.recycle(staged[0])
         except Exception as e:
             self._fail("upload", _describe(e), ())
