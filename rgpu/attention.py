@@ -5,8 +5,9 @@ so on rgpu it would take the math path: about fifteen ops forward and as many ba
 message, a wrapper and an autograd node on the client, where the local CPU runs one fused kernel.
 An `AutogradPrivateUse1` kernel sends the CPU's fused kernel instead when the server computes on
 a CPU and the call is one that kernel takes (no mask, no dropout, dense 4-D inputs of one float
-dtype), which is exactly when local CPU torch would pick it too: the results are the CPU's,
-bit for bit. Graph shipping traces the same two ops, so compiled and eager training agree
+dtype, flash attention not turned off with `torch.nn.attention.sdpa_kernel`). Local CPU torch
+picks the same kernel for such calls, so the results are the CPU's, bit for bit (it also fuses
+some masked calls, which rgpu leaves to the math path). Graph shipping traces the same two ops, so compiled and eager training agree
 exactly. Every other call (CUDA servers, masks, dropout) takes the math path as before.
 """
 
@@ -42,6 +43,8 @@ class _FusedAttention(torch.autograd.Function):
 
 def _fusable(q, k, v, attn_mask, dropout_p: float, enable_gqa: bool) -> bool:
     if attn_mask is not None or dropout_p != 0.0 or enable_gqa:
+        return False
+    if not torch.backends.cuda.flash_sdp_enabled():  # sdpa_kernel(...) without FLASH_ATTENTION
         return False
     session = _cur._current
     if session is None or not session.device.startswith("cpu"):

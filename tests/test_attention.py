@@ -114,3 +114,16 @@ def test_under_autocast(session):
         out_r = F.scaled_dot_product_attention(*remote, is_causal=True)
     assert out_r.dtype == out.dtype
     torch.testing.assert_close(out_r.cpu(), out, rtol=1e-2, atol=1e-2)
+
+
+def test_sdpa_kernel_math_is_respected(session):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cpu, remote = _qkv(2, 2, 16, 8, seed=5)
+    torch.rgpu.synchronize()
+    m0 = rgpu.stats()["messages"]
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(*cpu, is_causal=True)
+        out_r = F.scaled_dot_product_attention(*remote, is_causal=True)
+    assert rgpu.stats()["messages"] - m0 > 5  # the math path's ops, not the fused one
+    torch.testing.assert_close(out_r.cpu(), out, rtol=1e-5, atol=1e-6)
