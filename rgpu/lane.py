@@ -38,7 +38,8 @@ class LaneError(Exception):
 
 
 class Receipt:
-    """A download expected on the lane: filled by the reader thread."""
+    """What a caller waits for on the lane, settled by the reader thread: a download's bytes
+    arriving in `view`, or the ACK of an upload of `len(view)` bytes."""
 
     def __init__(self, view: memoryview) -> None:
         self.view = view
