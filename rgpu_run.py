@@ -137,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
             env["RGPU_TOKEN"] = args.token
         return _run(command, env)
 
-    from rgpu import ConnectError
+    from rgpu import RgpuError
+    from rgpu.config import Config
     from rgpu.ssh import SshTunnel
 
     try:
-        tunnel = SshTunnel(server, token=token, timeout=args.timeout, **_ssh_options(args))
+        options = _ssh_options(args)
+        options["ssh_command"] = options["ssh_command"] or Config.from_env().ssh_command
+        tunnel = SshTunnel(server, token=token, timeout=args.timeout, **options)
         tunnel.start()
-    except ConnectError as e:
+    except RgpuError as e:  # ConnectError, or a bad RGPU_* setting
         print(f"rgpu-run: {e}", file=sys.stderr)
         return 255
     except KeyboardInterrupt:

@@ -144,7 +144,7 @@ def sweep_ours(rtts: list[float], steps: int, modes: tuple[str, ...]) -> dict[st
                 session = rgpu.connect(link.url)
                 for mode in modes:
                     point = measure(make_loop(mode, "rgpu", rgpu), rgpu.stats, steps)
-                    point.update(rtt_ms=rtt_ms, link_rtt_ms=session.link_rtt_s * 1e3)
+                    point.update(rtt_ms=rtt_ms, link_rtt_ms=session.link.rtt_s * 1e3)
                     results[mode].append(point)
                     log(f"rgpu {mode:11s} RTT {rtt_ms:5.0f} ms: {point['ms_per_step']:7.1f} "
                         f"ms/step, {point['per_step']['waits']:.2f} waits/step")  # fmt: skip

@@ -10,9 +10,8 @@ Importing registers the "rgpu" device and never touches the network; the first u
 
 from __future__ import annotations
 
-import sys
-
 from ._version import __version__
+from .config import ConfigError
 from .errors import (
     AuthError,
     ConnectError,
@@ -35,6 +34,7 @@ __all__ = [
     "Event",
     "RemoteTensor",
     "RgpuError",
+    "ConfigError",
     "RemoteError",
     "ConnectError",
     "AuthError",
@@ -43,48 +43,38 @@ __all__ = [
     "ProtocolViolation",
 ]
 
-# The server imports rgpu.protocol, which imports this package first; a server process must not
-# register the device (it would become the process's accelerator and break local CUDA autograd).
-_IN_SERVER = "rgpu_server" in sys.modules
+from . import _registration
+from .compile import compile_backend
+from .current import connect, disconnect
+from .current import current as _current
+from .current import get as _get_session
+from .device_module import Event
+from .progress import settings
+from .session import Counters
+from .tensor import RemoteTensor
 
-if not _IN_SERVER:
-    from . import _registration
-    from .compile import compile_backend
-    from .current import connect, disconnect
-    from .current import get as _get_session
-    from .device_module import Event
-    from .progress import settings
-    from .tensor import RemoteTensor
+_registration.register()
 
-    _registration.register()
 
-    def stats() -> dict:
-        """Counters of the current session: messages, waits, bytes, frames, wait_seconds, ...
+def stats() -> dict:
+    """Counters of the current session: messages, waits, bytes, frames, wait_seconds, ...
 
-        A *message* is one op or request in the stream; a *wait* is a point where this process
-        blocked for the server's answer; `bytes_out` is what went on the wire (after any op-stream
-        compression). Zeros when not connected.
-        """
-        session = _get_session()
-        if session is None:
-            zeros = dict.fromkeys(
-                ("messages", "waits", "bytes_out", "bytes_in", "frames", "reconnects",
-                 "async_readbacks", "dedup_hits", "dedup_bytes_saved", "compressed_frames",
-                 "compression_saved"),
-                0,
-            )  # fmt: skip
-            return {**zeros, "wait_seconds": 0.0}
-        return session.stats()
+    A *message* is one op or request in the stream; a *wait* is a point where this process
+    blocked for the server's answer; `bytes_out` is what went on the wire (after any op-stream
+    compression). Zeros when not connected.
+    """
+    session = _get_session()
+    return Counters().as_dict() if session is None else session.stats()
 
-    def current_session():
-        """The current `rgpu.session.Session` (url, device_name, state, ping(), ...) or None.
 
-        Never connects.
-        """
-        return _get_session()
+def current_session():
+    """The current `rgpu.session.Session` (url, device_name, state, ping(), ...) or None.
 
-    def session_info() -> dict:
-        """What the server holds for this session: tensors, bytes, ops run (one wait)."""
-        from .current import current
+    Never connects.
+    """
+    return _get_session()
 
-        return current().info()
+
+def session_info() -> dict:
+    """What the server holds for this session: tensors, bytes, ops run (one wait)."""
+    return _current().info()

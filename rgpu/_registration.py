@@ -1,16 +1,32 @@
-"""Registering "rgpu" with PyTorch. Private torch APIs are used here and nowhere else.
+"""Registering "rgpu" with PyTorch, and wiring rgpu's own modules together. Private torch APIs
+are used here and nowhere else.
 
 `_setup_privateuseone_for_python_backend` renames PrivateUse1 to "rgpu" and installs the device
 guard and hooks that autograd needs (without the guard, backward on an rgpu tensor aborts the
 process). Factory functions reach PrivateUse1 kernels rather than `__torch_dispatch__` (they have
 no tensor argument to carry the Python key), so every aten factory gets a kernel here.
+
+The client's modules import one another in one direction only (tensor <- plans <- dispatch <-
+special_ops, ...); where a lower module must call a higher one (a RemoteTensor's
+`__torch_dispatch__`, its repr, the first trace by torch.compile; the ops dispatch hands to a
+handler), `register()` connects them here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import attention, autocast, device_module, dispatch, host_memory, tensor
+from . import (
+    attention,
+    autocast,
+    compile,
+    device_module,
+    dispatch,
+    host_memory,
+    plans,
+    special_ops,
+    tensor,
+)
 
 _libs: list[torch.library.Library] = []  # registrations die with their Library object
 _SKIP = (
@@ -61,14 +77,16 @@ def register() -> None:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+    tensor.install(dispatch.dispatch, special_ops.tensor_repr, compile.guard_default_backend)
+    plans.SPECIAL.update(special_ops.HANDLERS)
     _setup_privateuseone_for_python_backend(tensor.DEVICE_TYPE, backend_module=device_module.module)
     tensor.DEVICE = torch.device(tensor.DEVICE_TYPE, 0)
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
     for op in _factory_overloads():
-        lib.impl(op, dispatch.factory(op), "PrivateUse1")
-    lib.impl("_copy_from", dispatch.copy_from, "PrivateUse1")
-    lib.impl("_copy_from_and_resize", dispatch.copy_from_and_resize, "PrivateUse1")
+        lib.impl(op, special_ops.factory(op), "PrivateUse1")
+    lib.impl("_copy_from", special_ops.copy_from, "PrivateUse1")
+    lib.impl("_copy_from_and_resize", special_ops.copy_from_and_resize, "PrivateUse1")
     autocast.install()
     host_memory.install()
     attention.install(lib)

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from rgpu_protocol import Encoder, Kind, NodeRef, NodeTag, ref_ext
+
 from . import current as _cur
 from . import tensor as _tensor
-from .protocol import Encoder, Kind, NodeRef, ref_ext
 from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, wrap_inner
 
 log = logging.getLogger("rgpu")
@@ -64,17 +65,17 @@ def _encode_arg(x: Any, index: dict[torch.fx.Node, int]) -> Any:
 
 
 def serialize(gm: torch.fx.GraphModule) -> list:
-    """The graph as rgpu's wire nodes: ["p"], ["c", op, args, kwargs], ["g", node, i], ["o", refs]."""
+    """The graph as rgpu's wire nodes (rgpu_protocol.NodeTag says what each holds)."""
     index: dict[torch.fx.Node, int] = {}
     nodes: list = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            nodes.append(["p"])
+            nodes.append([NodeTag.PLACEHOLDER])
         elif node.op == "call_function" and node.target is operator.getitem:
             src, i = node.args
             if not isinstance(i, int):
                 raise Unshippable("it indexes an output with a non-integer")
-            nodes.append(["g", index[src], i])
+            nodes.append([NodeTag.GETITEM, index[src], i])
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             schema = node.target._schema
             ns, name = schema.name.split("::", 1)
@@ -83,7 +84,7 @@ def serialize(gm: torch.fx.GraphModule) -> list:
             op = f"{name}.{node.target._overloadname}"
             nodes.append(
                 [
-                    "c",
+                    NodeTag.CALL,
                     op,
                     _encode_arg(list(node.args), index),
                     _encode_arg(dict(node.kwargs), index),
@@ -92,7 +93,10 @@ def serialize(gm: torch.fx.GraphModule) -> list:
         elif node.op == "output":
             outs = node.args[0]
             nodes.append(
-                ["o", _encode_arg(list(outs) if isinstance(outs, (list, tuple)) else [outs], index)]
+                [
+                    NodeTag.OUTPUT,
+                    _encode_arg(list(outs) if isinstance(outs, (list, tuple)) else [outs], index),
+                ]
             )
         else:
             raise Unshippable(f"it has a {node.op} node ({node.target})")

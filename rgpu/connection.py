@@ -6,7 +6,6 @@ This layer moves frames and nothing else; `rgpu.session` decides what they mean.
 from __future__ import annotations
 
 import inspect
-import os
 import ssl
 import threading
 import time
@@ -24,18 +23,22 @@ from websockets.exceptions import (
 )
 from websockets.sync.client import ClientConnection, connect
 
-from ._version import __version__
-from .errors import AuthError, ConnectError, SessionLost
-from .protocol import (
+from rgpu_protocol import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     CloseCode,
-    Frame,
+    Hello,
     ProtocolError,
-    hello_frame,
-    parse_handshake,
+    Refusal,
+    RefusalCode,
+    Welcome,
+    session_lost_message,
     version_mismatch,
 )
+
+from ._version import __version__
+from .config import DEFAULT, Config
+from .errors import AuthError, ConnectError, SessionLost
 
 HANDSHAKE_TIMEOUT = 30.0
 
@@ -59,18 +62,19 @@ def split_token(url: str) -> tuple[str, str | None]:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, rest, "")), token
 
 
-def ssl_context(url: str) -> ssl.SSLContext | None:
-    """Verify the server's certificate by default; RGPU_CA_BUNDLE adds a private CA."""
+def ssl_context(url: str, bundle: str | None = None) -> ssl.SSLContext | None:
+    """Verify the server's certificate by default; `bundle` (RGPU_CA_BUNDLE) adds a private CA."""
     if not url.lower().startswith("wss://"):
         return None
     ctx = ssl.create_default_context()
-    bundle = os.environ.get("RGPU_CA_BUNDLE")
     if bundle:
         ctx.load_verify_locations(cafile=bundle)
     return ctx
 
 
-def _connect_kwargs(url: str, token: str | None, open_timeout: float) -> dict[str, Any]:
+def _connect_kwargs(
+    url: str, token: str | None, open_timeout: float, config: Config
+) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "compression": None,  # tensor bytes do not compress; deflate made uploads 10x slower
         "max_size": DEFAULT_LIMITS.max_message,
@@ -86,10 +90,10 @@ def _connect_kwargs(url: str, token: str | None, open_timeout: float) -> dict[st
     if "legacy" in _CONNECT_PARAMS:
         kwargs["legacy"] = True  # a long-lived connection kept on an object, not a with-block
     if "proxy" in _CONNECT_PARAMS:
-        kwargs["proxy"] = os.environ.get("RGPU_PROXY") or None
+        kwargs["proxy"] = config.proxy
     if token:
         kwargs["additional_headers"] = {"Authorization": f"Bearer {token}"}
-    ctx = ssl_context(url)
+    ctx = ssl_context(url, config.ca_bundle)
     if ctx is not None:
         kwargs["ssl"] = ctx
     return kwargs
@@ -106,12 +110,12 @@ class Connection:
         on_frame: Callable[[bytes], None],
         on_close: Callable[[BaseException], None],
         open_timeout: float = 10.0,
-        allow_version_mismatch: bool = False,
+        config: Config = DEFAULT,
         resume: bytes | None = None,
     ) -> None:
         self.url = url
         try:
-            self.ws = connect(url, **_connect_kwargs(url, token, open_timeout))
+            self.ws = connect(url, **_connect_kwargs(url, token, open_timeout, config))
         except InvalidURI as e:
             raise ConnectError(
                 f"{url!r} is not a websocket URL (expected ws://host:port or wss://host:port): {e}"
@@ -138,43 +142,29 @@ class Connection:
             ) from None
         try:
             hello_sent = time.perf_counter()
-            self.ws.send(
-                hello_frame(
-                    {
-                        "protocol": PROTOCOL_VERSION,
-                        "torch": torch.__version__,
-                        "client": f"rgpu {__version__}",
-                        "session": resume,
-                    }
-                )
-            )
+            hello = Hello(PROTOCOL_VERSION, torch.__version__, f"rgpu {__version__}", resume)
+            self.ws.send(hello.frame())
             first = self.ws.recv(timeout=HANDSHAKE_TIMEOUT)
             if isinstance(first, str):
                 raise ProtocolError("the server sent a text frame")
             # one round trip over the real path (through any tunnel or proxy): the link's RTT
             self.handshake_rtt_s = time.perf_counter() - hello_sent
-            welcome = parse_handshake(first, Frame.WELCOME)
+            welcome = Welcome.parse(first)
         except (ConnectionClosed, ProtocolError, TimeoutError) as e:
             self.ws.close()
             raise ConnectError(
                 f"the server at {url} did not complete the rgpu handshake: {e}"
             ) from None
-        if "refused" in welcome:
+        if isinstance(welcome, Refusal):
             self.ws.close()
-            if welcome["refused"] == "session-lost":
-                raise SessionLost(welcome["message"])
-            raise ConnectError(
-                f"the rgpu server at {url} refused this client: {welcome['message']}"
-            )
-        if resume is not None and not welcome.get("resumed"):
+            if welcome.code == RefusalCode.SESSION_LOST.value:
+                raise SessionLost(welcome.message)
+            raise ConnectError(f"the rgpu server at {url} refused this client: {welcome.message}")
+        if resume is not None and not welcome.resumed:
             self.ws.close(CloseCode.BYE)
-            raise SessionLost(
-                f"the rgpu server at {url} no longer has this session (it restarted, or the session "
-                "expired while the connection was down): every rgpu tensor of the session is gone. "
-                "Call rgpu.connect() to start a new session."
-            )
-        problem = version_mismatch(torch.__version__, str(welcome.get("torch", "?")))
-        if problem and not allow_version_mismatch:
+            raise SessionLost(session_lost_message(url))
+        problem = version_mismatch(torch.__version__, welcome.torch)
+        if problem and not config.allow_version_mismatch:
             self.ws.close()
             raise ConnectError(problem)
         self.welcome = welcome

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-from . import ssh
+from rgpu_protocol import DEFAULT_SEED, Kind
+
+from . import progress, ssh
+from .config import Config
 from .errors import ConnectError
 from .local_server import EmbeddedServer
-from .protocol import Kind
 from .session import Session
 
 log = logging.getLogger("rgpu")
@@ -61,14 +62,19 @@ def connect(
     """
     global _current
     with _lock:
-        target = url or os.environ.get("RGPU_SERVER") or "local"
+        config = Config.from_env()
+        target = url or config.server or "local"
         if token is None and "token=" not in target:  # a pasted ?token= URL beats the env
-            token = os.environ.get("RGPU_TOKEN") or None
+            token = config.token
         if target == "local":
-            server = EmbeddedServer(device=os.environ.get("RGPU_LOCAL_DEVICE", "auto"))
+            server = EmbeddedServer(device=config.local_device or "auto")
             try:
                 session = Session(
-                    server.url, token=server.token, open_timeout=timeout, local_process=server
+                    server.url,
+                    token=server.token,
+                    open_timeout=timeout,
+                    config=config,
+                    local_process=server,
                 )
             except BaseException:
                 server.stop()
@@ -78,16 +84,21 @@ def connect(
                 f"({session.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
             )
         elif target.lower().startswith("ssh://"):
-            session = ssh.open_session(target, token=token, timeout=timeout, options=ssh_options)
+            session = ssh.open_session(
+                target, token=token, timeout=timeout, options=ssh_options, config=config
+            )
             if session.transport.server is not None:
                 announce(f"connected over SSH: {session.transport.describe()}")
         else:
-            session = Session(_normalise_url(target), token=token, open_timeout=timeout)
+            session = Session(
+                _normalise_url(target), token=token, open_timeout=timeout, config=config
+            )
         if _pending_seed is not None:
             session.post((Kind.SEED, _pending_seed))
         # the old session ends only now: a mistyped URL does not cost the user their tensors
         disconnect()
         _current = session
+        progress.use_config(config)
         _warm_up()
         return session
 
@@ -129,7 +140,7 @@ def get() -> Session | None:
 
 def initial_seed() -> int:
     """The seed last given to this session's generator (torch's default seed if none was)."""
-    return _pending_seed if _pending_seed is not None else 67280421310721
+    return _pending_seed if _pending_seed is not None else DEFAULT_SEED
 
 
 def seed(value: int) -> None:

@@ -6,8 +6,9 @@ import types
 
 import torch
 
+from rgpu_protocol import Kind
+
 from . import current as _cur
-from .protocol import Kind
 
 
 def is_available() -> bool:

@@ -16,9 +16,8 @@ from collections.abc import Callable
 from websockets.client import ClientProtocol
 from websockets.uri import parse_uri
 
-from ._version import __version__
-from .protocol import ProtocolError
-from .protocol.lane import (
+from rgpu_protocol import ProtocolError
+from rgpu_protocol.lane import (
     FROM_SERVER,
     HEADER_SIZE,
     KEY_HEADER,
@@ -27,6 +26,8 @@ from .protocol.lane import (
     lane_header,
     parse_lane_header,
 )
+
+from ._version import __version__
 
 MAX_RESPONSE_HEAD = 64 << 10
 _DISCARD = 1 << 20

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from .config import DEFAULT, Config
 
 
 class Settings:
-    """User-tunable client behaviour (also set by `%config RgpuMagics...` in Jupyter)."""
+    """User-tunable client behaviour (also set by `%config RgpuMagics...` in Jupyter).
+
+    `progress_bytes`: transfers of at least this many bytes show a progress bar with rate and
+    ETA; until set here, the session's RGPU_PROGRESS_BYTES (64 MiB by default) decides."""
 
     def __init__(self) -> None:
-        # transfers of at least this many bytes show a progress bar with rate and ETA
-        try:
-            self.progress_bytes = int(os.environ.get("RGPU_PROGRESS_BYTES", 64 << 20))
-        except ValueError:  # importing rgpu must never raise
-            self.progress_bytes = 64 << 20
+        self._progress_bytes: int | None = None
+
+    @property
+    def progress_bytes(self) -> int:
+        return self._progress_bytes if self._progress_bytes is not None else _session_default[0]
+
+    @progress_bytes.setter
+    def progress_bytes(self, value: int) -> None:
+        self._progress_bytes = int(value)
+
+
+_session_default = [DEFAULT.progress_bytes]  # the current session's RGPU_PROGRESS_BYTES
+
+
+def use_config(config: Config) -> None:
+    """A session with this config became the current one."""
+    _session_default[0] = config.progress_bytes
 
 
 settings = Settings()

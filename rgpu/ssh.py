@@ -15,333 +15,56 @@ the session resumes as after any dropped link.
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import math
-import os
-import queue
-import secrets
 import shlex
 import socket
 import subprocess
 import threading
 import time
-import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from typing import Any
 
+from .config import DEFAULT, Config
 from .errors import AuthError, ConnectError, SessionLost
+from .session import Session
+from .ssh_process import (
+    Output,
+    RemoteServer,
+    free_port,
+    popen,
+    server_script,
+    ssh_error,
+    terminate,
+)
+from .ssh_target import (
+    DEFAULT_PORT,
+    ServerMissing,
+    SshAuthError,
+    SshError,
+    SshTarget,
+    SshUnreachable,
+    parse_ssh_url,
+)
 
 log = logging.getLogger("rgpu")
 
-DEFAULT_PORT = 9720
-START_TIMEOUT = 120.0  # a first `import torch` on a cold GPU host can take a minute
-STARTS = ("auto", "yes", "no")
 ALIVE = ("-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3")  # a dead link ends ssh
-INSTALL_HINT = (
-    "Install it there with `pip install jupyter-rgpu` in a Python environment that has torch "
-    "{torch} (the same major.minor as this machine), or point rgpu at it: "
-    "ssh://{dest}?server_command=/path/to/rgpu-server (or 'python3 -m rgpu_server')."
-)
 
-
-class SshError(ConnectError):
-    """`ssh` to the GPU host failed (the message carries what ssh said and what to do)."""
-
-
-class SshUnreachable(SshError):
-    """The GPU host could not be reached: unknown name, refused or timed-out connection."""
-
-
-class SshAuthError(SshError):
-    """The host refused the SSH login (no usable key: rgpu's ssh never prompts)."""
-
-
-class ServerMissing(SshError):
-    """No `rgpu-server` could be started on the host (it is not installed, or not on PATH)."""
-
-
-@dataclass
-class SshTarget:
-    """Where and how to reach the server: parsed from an ``ssh://`` URL plus keyword options."""
-
-    destination: str  # "user@host" or a Host alias of ~/.ssh/config
-    ssh_port: int | None = None
-    port: int = DEFAULT_PORT  # the rgpu server's port on the host's loopback address
-    identity: str | None = None
-    start: str = "auto"  # auto: use a server on `port`, else start one; yes: always; no: never
-    device: str | None = None  # --device of a server started here
-    server_command: str | None = None  # remote command line that runs rgpu-server
-    # on the host, for a server already running there: default .config/rgpu/token-PORT
-    token_file: str | None = None
-    # the local ssh client and its options: default $RGPU_SSH_COMMAND, else "ssh"
-    ssh_command: str | None = None
-    token: str | None = field(default=None, repr=False)
-
-    @property
-    def host(self) -> str:
-        return self.destination.rpartition("@")[2]
-
-
-_OPTIONS = {f.name for f in fields(SshTarget)} - {"destination"}
-
-
-def parse_ssh_url(url: str, options: Mapping[str, Any] | None = None) -> SshTarget:
-    """``ssh://[user@]host[:sshport][?port=9720&identity=PATH&start=auto|yes|no&...]`` and keyword
-    options (which win over the URL's query) as an `SshTarget`; refuses what ssh would misread."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() != "ssh":
-        raise ConnectError(f"not an ssh:// URL: {url}")
-    netloc = parts.netloc
-    user, at, hostport = netloc.rpartition("@")
-    if hostport.startswith("["):  # [ipv6]:port
-        host, _, rest = hostport[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    else:
-        host, _, port_text = hostport.partition(":")
-    user, host = urllib.parse.unquote(user), urllib.parse.unquote(host)
-    if (
-        not host
-        or host.startswith("-")
-        or user.startswith("-")
-        or any(c in netloc for c in " \t\n'\"\\")
-    ):
-        raise ConnectError(f"{url!r} does not name an SSH host (expected ssh://user@host[:port])")
-    values: dict[str, Any] = {}
-    if port_text:
-        values["ssh_port"] = port_text
-    for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
-        values[key] = value
-    values.update({k: v for k, v in (options or {}).items() if v is not None})
-    unknown = sorted(set(values) - _OPTIONS)
-    if unknown:
-        raise ConnectError(
-            f"unknown ssh option(s) {', '.join(unknown)} for {url}; known: {', '.join(sorted(_OPTIONS))}"
-        )
-    target = SshTarget(destination=f"{user}@{host}" if at else host)
-    for key in ("ssh_port", "port"):
-        if key in values:
-            try:
-                values[key] = int(values[key])
-            except (TypeError, ValueError):
-                raise ConnectError(f"{key} must be a number, not {values[key]!r} ({url})") from None
-            if not 0 < values[key] < 65536:
-                raise ConnectError(f"{key} {values[key]} is not a TCP port ({url})")
-    start = str(values.get("start", "auto")).lower()
-    if start not in STARTS:
-        raise ConnectError(f"start must be one of {', '.join(STARTS)}, not {start!r} ({url})")
-    values["start"] = start
-    if values.get("identity"):
-        values["identity"] = os.path.expanduser(str(values["identity"]))
-    return replace(target, **values)
-
-
-def _popen(argv: list[str], **kwargs: Any) -> subprocess.Popen:
-    try:
-        return subprocess.Popen(argv, **kwargs)
-    except FileNotFoundError:
-        raise SshError(
-            f"no ssh client `{argv[0]}` on this machine: install OpenSSH's client, or name one in "
-            "RGPU_SSH_COMMAND"
-        ) from None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Output:
-    """Drains a child's pipe on a daemon thread: lines to a bounded tail, and optionally a queue."""
-
-    def __init__(self, pipe: Any, lines: queue.Queue | None = None, keep: int = 200) -> None:
-        self.tail: collections.deque[str] = collections.deque(maxlen=keep)
-        self._lines = lines
-        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
-        self._thread.start()
-
-    def _read(self, pipe: Any) -> None:
-        try:
-            for raw in pipe:
-                line = raw.decode(errors="replace").rstrip("\r\n")
-                self.tail.append(line)
-                if self._lines is not None:
-                    self._lines.put(line)
-        except (OSError, ValueError):
-            pass
-        if self._lines is not None:
-            self._lines.put(None)
-
-    def text(self, wait: float = 0.0) -> str:
-        self._thread.join(wait)
-        return "\n".join(self.tail)
-
-
-def _ssh_error(dest: str, rc: int | None, stderr: str, what: str) -> SshError:
-    """Turn what ssh printed into an error that says what went wrong and what to do."""
-    lines = [ln for ln in stderr.splitlines() if ln.strip() and "open failed" not in ln]
-    said = ("\n".join(lines[-8:]) or f"ssh exited with status {rc}").strip().rstrip(".")
-    low = said.lower()
-    if "permission denied" in low or "too many authentication failures" in low:
-        return SshAuthError(
-            f"{dest} refused the SSH login ({said.strip()}). rgpu runs ssh without prompts "
-            "(BatchMode=yes): use a key that the host accepts, loaded in ssh-agent or given as "
-            "?identity=PATH (rgpu-run: -i PATH), or configured for this host in ~/.ssh/config."
-        )
-    if "host key verification failed" in low or "remote host identification has changed" in low:
-        return SshError(
-            f"ssh could not verify the host key of {dest} ({said.strip()}). Run `ssh {dest}` once "
-            "in a terminal to check and accept it, then connect again."
-        )
-    unreachable = (
-        "could not resolve hostname", "connection refused", "timed out", "no route to host",
-        "network is unreachable", "connection closed by", "connection reset",
-        "name or service not known",
-    )  # fmt: skip
-    if any(s in low for s in unreachable):
-        return SshUnreachable(f"cannot reach {dest} over SSH: {said.strip()}")
-    if "address already in use" in low or "forwarding" in low:
-        return SshError(
-            f"ssh could not set up the port forward for {what} ({said.strip()}). If ~/.ssh/config "
-            f"sets LocalForward for {dest}, another ssh may already hold that port."
-        )
-    return SshError(f"ssh to {dest} failed ({what}): {said.strip()}")
-
-
-def server_script(target: SshTarget) -> str:
-    """The POSIX sh script that starts rgpu-server on the host: the given command, else
-    `rgpu-server` on PATH, else a python that has the module; else it prints RGPU_NO_SERVER and
-    exits 127. The token is not in it: it follows on stdin (`--token-stdin`)."""
-    args = "--host 127.0.0.1 --port 0 --announce --token-stdin --exit-with-stdin"
-    if target.device:
-        args += " --device " + shlex.quote(target.device)
-    if target.server_command:
-        return f"exec {target.server_command} {args}"
-    return (
-        f"if command -v rgpu-server >/dev/null 2>&1; then exec rgpu-server {args}; fi; "
-        "for py in python3 python; do "
-        'if "$py" -c "import importlib.util as u, sys; '
-        "sys.exit(u.find_spec('rgpu_server') is None)\" >/dev/null 2>&1; "
-        f'then exec "$py" -m rgpu_server {args}; fi; done; '
-        "echo RGPU_NO_SERVER; exit 127"
-    )
-
-
-class RemoteServer:
-    """`rgpu-server` started on the host over SSH, with a fresh token sent on its standard input.
-
-    It listens on the host's 127.0.0.1 on a free port and exits when this SSH session ends.
-    """
-
-    def __init__(self, target: SshTarget, ssh: list[str], timeout: float) -> None:
-        self.target = target
-        self.token = secrets.token_urlsafe(32)
-        # ClearAllForwardings: LocalForward lines of ~/.ssh/config must not be set up (or clash) here
-        argv = [*ssh, "-T", "-o", "ClearAllForwardings=yes", "--", target.destination,
-                "sh -c " + shlex.quote(server_script(target))]  # fmt: skip
-        self.process = _popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # a Ctrl-C in the terminal must not end the server
-        )
-        self._stdout_lines: queue.Queue = queue.Queue()
-        assert self.process.stdout is not None and self.process.stderr is not None
-        self._stdout = _Output(self.process.stdout, self._stdout_lines)
-        self._stderr = _Output(self.process.stderr)
-        assert self.process.stdin is not None
-        try:
-            self.process.stdin.write(self.token.encode() + b"\n")
-            self.process.stdin.flush()
-        except OSError:
-            pass  # ssh already exited: reported below
-        try:
-            self.port = self._wait_for_port(timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_for_port(self, timeout: float) -> int:
-        deadline = time.monotonic() + START_TIMEOUT + timeout
-        dest = self.target.destination
-        while True:
-            try:
-                line = self._stdout_lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise ConnectError(
-                    f"rgpu-server on {dest} did not start within {START_TIMEOUT + timeout:.0f} s. "
-                    f"What it printed:\n{self.log()}"
-                ) from None
-            if line is None:  # stdout closed: the remote command (or ssh) exited
-                break
-            if line.startswith("RGPU_SERVER="):
-                return int(line.rsplit(":", 1)[1].strip("/"))
-            if line.strip() == "RGPU_NO_SERVER":
-                break
-        try:
-            rc = self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            rc = None
-        said = self._stderr.text(wait=2)
-        import torch
-
-        hint = INSTALL_HINT.format(torch=".".join(torch.__version__.split(".")[:2]), dest=dest)
-        if rc == 255:
-            return_error = _ssh_error(dest, rc, said, "starting rgpu-server")
-            raise return_error
-        if rc == 127 and not self.target.server_command:
-            raise ServerMissing(
-                f"no rgpu-server on {dest}: neither `rgpu-server` nor a python with the rgpu_server "
-                f"module is on the PATH of a non-interactive SSH session there. {hint}"
-            )
-        if rc == 127:
-            raise ServerMissing(
-                f"`{self.target.server_command}` was not found on {dest} ({said.strip()}). {hint}"
-            )
-        raise ConnectError(
-            f"rgpu-server on {dest} exited with status {rc} before it listened. What it printed:\n"
-            f"{said[-3000:] or '(nothing)'}"
-        )
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log(self) -> str:
-        """What the server (and ssh) printed on stderr lately: its start-up and session lines."""
-        return self._stderr.text()
-
-    def stop(self) -> None:
-        """Close the SSH session's stdin: the server shuts down cleanly and ssh exits after it."""
-        _terminate(self.process, close_stdin=True)
-
-
-def _terminate(p: subprocess.Popen, close_stdin: bool = False) -> None:
-    """Stop a child politely, then firmly: closed stdin (or SIGTERM), SIGTERM, SIGKILL."""
-    if p.poll() is None:
-        try:
-            if close_stdin and p.stdin:
-                p.stdin.close()
-                p.wait(timeout=5)
-            else:
-                p.terminate()
-                p.wait(timeout=5)
-        except (OSError, subprocess.TimeoutExpired):
-            try:
-                p.terminate()
-                p.wait(timeout=3)
-            except (OSError, subprocess.TimeoutExpired):
-                p.kill()
-                p.wait(timeout=5)
-    for f in (p.stdin, p.stdout, p.stderr):
-        try:
-            if f:
-                f.close()
-        except OSError:
-            pass
+__all__ = [
+    "DEFAULT_PORT",
+    "RemoteServer",
+    "ServerMissing",
+    "SshAuthError",
+    "SshError",
+    "SshTarget",
+    "SshTunnel",
+    "SshUnreachable",
+    "open_session",
+    "parse_ssh_url",
+    "server_script",
+]
 
 
 class SshTunnel:
@@ -368,7 +91,7 @@ class SshTunnel:
         self.target = target
         self.token = token or target.token
         self.timeout = timeout
-        command = target.ssh_command or os.environ.get("RGPU_SSH_COMMAND") or "ssh"
+        command = target.ssh_command or "ssh"
         self.ssh = [*shlex.split(command), "-o", "BatchMode=yes"]
         self.ssh += ["-o", f"ConnectTimeout={max(1, math.ceil(timeout))}"]
         if target.ssh_port:
@@ -380,7 +103,7 @@ class SshTunnel:
         self.process: subprocess.Popen | None = None
         self.server: RemoteServer | None = None
         self.existing = False  # True when the server was already running on the host
-        self._stderr: _Output | None = None
+        self._stderr: Output | None = None
         self._opening: subprocess.Popen | None = None  # an ssh being started; stop() ends it
         self._lock = threading.RLock()
         self._stopped = False
@@ -468,10 +191,10 @@ class SshTunnel:
         dest = self.target.destination
         preferred = self.local_port
         for attempt in range(3):
-            port = preferred if (preferred and attempt == 0) else _free_port()
+            port = preferred if (preferred and attempt == 0) else free_port()
             argv = [*self.ssh, "-N", "-o", "ExitOnForwardFailure=yes", *ALIVE,
                     "-L", f"127.0.0.1:{port}:127.0.0.1:{self.remote_port}", "--", dest]  # fmt: skip
-            p = _popen(
+            p = popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -479,7 +202,7 @@ class SshTunnel:
                 start_new_session=True,  # a Ctrl-C in the terminal must not cut the tunnel
             )
             self._opening = p
-            stderr = _Output(p.stderr)
+            stderr = Output(p.stderr)
             deadline = time.monotonic() + self.timeout + 10
             while p.poll() is None and time.monotonic() < deadline and not self._stopped:
                 try:
@@ -493,19 +216,19 @@ class SshTunnel:
                     return
             self._opening = None
             if self._stopped:
-                _terminate(p)
+                terminate(p)
                 raise ConnectError(f"the SSH tunnel to {dest} was closed")
             if p.poll() is None:
-                _terminate(p)
+                terminate(p)
                 raise SshError(
                     f"ssh to {dest} did not open the tunnel within {self.timeout + 10:.0f} s "
                     f"(ran: {shlex.join(argv)})\n{stderr.text()}"
                 )
             said = stderr.text(wait=2)
-            _terminate(p)
+            terminate(p)
             if "address already in use" in said.lower() and f":{port}" in said and attempt < 2:
                 continue  # someone took the port we picked: pick another
-            raise _ssh_error(
+            raise ssh_error(
                 dest, p.returncode, said, f"127.0.0.1:{port} -> port {self.remote_port}"
             )
 
@@ -541,7 +264,7 @@ class SshTunnel:
 
     def _close_process(self) -> None:
         if self.process is not None:
-            _terminate(self.process)
+            terminate(self.process)
             self.process = None
 
     def stop(self) -> None:
@@ -581,14 +304,16 @@ def open_session(
     token: str | None = None,
     timeout: float = 10.0,
     options: Mapping[str, Any] | None = None,
-) -> Any:
+    config: Config = DEFAULT,
+) -> Session:
     """A `Session` through a new SSH tunnel; the tunnel is its transport and closes with it."""
-    from .session import Session
-
-    tunnel = SshTunnel(url, token=token, timeout=timeout, **dict(options or {}))
+    options = {"ssh_command": config.ssh_command, **dict(options or {})}
+    tunnel = SshTunnel(url, token=token, timeout=timeout, **options)
     tunnel.start()
     try:
-        return Session(tunnel.url, token=tunnel.token, open_timeout=timeout, transport=tunnel)
+        return Session(
+            tunnel.url, token=tunnel.token, open_timeout=timeout, config=config, transport=tunnel
+        )
     except AuthError as e:
         tunnel.stop()
         if tunnel.existing:

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import itertools
 import struct
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from .protocol import EXT_REF, ref_ext, view_ext
+from rgpu_protocol import EXT_REF, ref_ext, storage_span, view_ext
 
 _new_ext = tuple.__new__
 _ExtType = msgpack.ExtType
 _pack_id = struct.Struct("<Q").pack
 
-if TYPE_CHECKING:
-    from .session import Session
+Session = Any  # an rgpu.session.Session (not imported here: the session imports this module)
 
 DEVICE_TYPE = "rgpu"
 _ids = itertools.count(1)
@@ -85,7 +85,22 @@ class _TracedHandle:
 
 
 TRACED = _TracedHandle()
-_compile_ready = [False]
+
+
+def _not_registered(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("the rgpu device is not registered (import rgpu)")
+
+
+# Behaviour that lives in other modules, wired in by rgpu._registration (the one place that
+# connects them), so this module imports none of them.
+_dispatch: Callable = _not_registered  # the body of __torch_dispatch__ (rgpu.dispatch)
+_repr: Callable = _not_registered  # repr with one download (rgpu.special_ops)
+_on_first_trace: Callable | None = None  # torch.compile traces a RemoteTensor (rgpu.compile)
+
+
+def install(dispatch: Callable, repr_: Callable, on_first_trace: Callable) -> None:
+    global _dispatch, _repr, _on_first_trace
+    _dispatch, _repr, _on_first_trace = dispatch, repr_, on_first_trace
 
 
 class RemoteTensor(torch.Tensor):
@@ -118,11 +133,10 @@ class RemoteTensor(torch.Tensor):
         return f"rgpu:{self.dtype}:{tuple(self.shape)}:{self.stride()}:{self.storage_offset()}"
 
     def __tensor_flatten__(self) -> tuple[list[str], None]:
-        if not _compile_ready[0]:  # torch.compile is tracing one of us: Dynamo is loaded now
-            _compile_ready[0] = True
-            from .compile import guard_default_backend
-
-            guard_default_backend()
+        global _on_first_trace
+        if _on_first_trace is not None:  # torch.compile is tracing one of us: Dynamo is loaded
+            hook, _on_first_trace = _on_first_trace, None
+            hook()
         return ["_rgpu_meta"], None
 
     @staticmethod
@@ -136,9 +150,7 @@ class RemoteTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # one download, not ~15 ops
         if self._r is TRACED:
             return f"RemoteTensor(traced, shape={list(self.shape)}, dtype={self.dtype})"
-        from . import dispatch
-
-        return dispatch.tensor_repr(self)
+        return _repr(self)
 
     def __format__(self, spec: str) -> str:
         if self.dim() == 0 and spec:
@@ -182,10 +194,6 @@ class RemoteTensor(torch.Tensor):
         if self.requires_grad:
             data.requires_grad_(True)
         return data.__reduce_ex__(proto)
-
-
-def _dispatch(func, args, kwargs):  # replaced by rgpu.dispatch at import
-    raise RuntimeError("rgpu dispatch is not initialised")
 
 
 _make = torch.Tensor._make_wrapper_subclass
@@ -324,8 +332,5 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
 
 def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int) -> Key:
     """Key of a tensor that owns exactly the storage its layout spans."""
-    if all(s > 0 for s in shape):
-        span = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
-    else:
-        span = offset
+    span = storage_span(shape, stride, offset)
     return (dtype, tuple(shape), tuple(stride), offset, span * dtype.itemsize, 0)

@@ -34,7 +34,7 @@ def session(server):
     import rgpu.current
 
     s = rgpu.current.get()
-    if s is None or s.closed or s.url != server.url or s._broken is not None:
+    if s is None or s.closed or s.url != server.url or s.broken is not None:
         s = rgpu.connect(server.url)
     return s
 

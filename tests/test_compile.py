@@ -20,7 +20,7 @@ from rgpu_test_servers import ServerProcess
 import rgpu
 import rgpu.compile as rc
 from rgpu.models import TinyLM, lm_batch, seed_mlp
-from rgpu.protocol import Kind, NodeRef
+from rgpu_protocol import Kind, NodeRef
 
 
 @pytest.fixture(autouse=True)

@@ -15,9 +15,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 import rgpu
-from rgpu import protocol as p
+import rgpu_protocol as p
 from rgpu.errors import RgpuError
-from rgpu.session import SLOW_LINK_RTT_S
+from rgpu.link import SLOW_LINK_RTT_S
 
 AUTH = {"Authorization": f"Bearer {os.environ['RGPU_TOKEN']}"}
 
@@ -104,12 +104,12 @@ def test_batches_that_are_mostly_tensor_bytes_are_not_compressed(server, monkeyp
 def test_compression_off_by_default_on_a_fast_link(server, monkeypatch):
     monkeypatch.delenv("RGPU_COMPRESS", raising=False)
     session = rgpu.connect(server.url)
-    assert session.link_rtt_s < SLOW_LINK_RTT_S and not session.compressing
+    assert session.link.rtt_s < SLOW_LINK_RTT_S and not session.compressing
     host = torch.randn(32, 32)
     torch.testing.assert_close(_op_loop(host.to("rgpu")).cpu(), _op_loop(host))
     big = torch.randn(1 << 19)  # 2 MiB: measures the link's throughput on the way back
     assert torch.equal(big.to("rgpu").cpu(), big)
-    assert session.link_bps is not None and session.link_bps > 50e6
+    assert session.link.bps is not None and session.link.bps > 50e6
     assert not session.compressing and rgpu.stats()["compressed_frames"] == 0
 
 
@@ -138,7 +138,7 @@ def _ops_match_cpu_compressed() -> None:
 def test_a_long_round_trip_turns_compression_on(link, monkeypatch):
     monkeypatch.delenv("RGPU_COMPRESS", raising=False)
     session = link(latency_s=0.01)  # 20 ms RTT
-    assert session.link_rtt_s >= 0.02 and session.compressing
+    assert session.link.rtt_s >= 0.02 and session.compressing
     _ops_match_cpu_compressed()
 
 
@@ -146,10 +146,10 @@ def test_a_slow_download_turns_compression_on(link, monkeypatch):
     monkeypatch.delenv("RGPU_COMPRESS", raising=False)
     session = link(bandwidth_bps=5e6)  # 40 Mbit/s, no added latency
     # no latency is added: only a machine too busy to answer a ping in 10 ms would say slow
-    assert session.compressing == (session.link_rtt_s >= SLOW_LINK_RTT_S)
+    assert session.compressing == (session.link.rtt_s >= SLOW_LINK_RTT_S)
     big = torch.randn(400_000)  # 1.6 MB
     assert torch.equal(big.to("rgpu").cpu(), big)
-    assert session.link_bps is not None and session.link_bps < 10e6
+    assert session.link.bps is not None and session.link.bps < 10e6
     assert session.compressing
     _ops_match_cpu_compressed()
 

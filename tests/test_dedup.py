@@ -9,9 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import rgpu
+from rgpu.config import ConfigError
 
 MB = 1 << 20
 
@@ -119,9 +121,15 @@ def test_dedup_can_be_switched_off(server):
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
 
 
-def test_a_bad_min_bytes_setting_falls_back_to_the_default(server, monkeypatch):
-    # read per session, like the other RGPU_* settings: importing rgpu never raises over it
+def test_a_bad_min_bytes_setting_is_a_clear_error_and_costs_nothing(dev, server, monkeypatch):
+    # read at connect, like every RGPU_* setting: a clear error naming the variable, and the
+    # session already open keeps working
+    x = torch.arange(4.0, device=dev)
     monkeypatch.setenv("RGPU_DEDUP_MIN_BYTES", "lots")
+    with pytest.raises(ConfigError, match=r"RGPU_DEDUP_MIN_BYTES='lots'.*whole number"):
+        rgpu.connect(server.url)
+    assert x.sum().item() == 6.0
+    monkeypatch.delenv("RGPU_DEDUP_MIN_BYTES")
     rgpu.connect(server.url)
     src = torch.randn(64, 64)  # 16 kB, over the default 4 kB
     a, b = src.to("rgpu"), src.to("rgpu")

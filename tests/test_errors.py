@@ -62,7 +62,7 @@ def test_unsendable_argument_fails_at_the_call_and_poisons_nothing(dev):
 
 
 def test_blocked_and_unknown_ops_are_refused_by_the_server(dev, session):
-    from rgpu.protocol import Kind
+    from rgpu_protocol import Kind
 
     x = torch.ones(2, device=dev)
     session.post((Kind.RUN, "from_file.default", ["/etc/passwd"], None, [10**12]))
@@ -78,7 +78,7 @@ def test_blocked_and_unknown_ops_are_refused_by_the_server(dev, session):
 
 
 def test_tensor_ids_of_other_sessions_or_freed_ones_are_unknown(dev, session):
-    from rgpu.protocol import Kind, Ref
+    from rgpu_protocol import Kind, Ref
 
     session.post((Kind.RUN, "add.Tensor", [Ref(987654321), 1], None, [10**12 + 3]))
     with pytest.raises(rgpu.RemoteError, match="no tensor with id 987654321"):

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 import rgpu
-from rgpu import protocol as p
+import rgpu_protocol as p
 
 LIMITS = p.Limits(max_message=1 << 20, max_chunk=1 << 16)
 ENC = p.Encoder()

@@ -17,8 +17,8 @@ from rgpu_test_servers import port_of
 
 import rgpu
 from rgpu.lane import Lane, LaneError
-from rgpu.protocol import ProtocolError
-from rgpu.protocol.lane import (
+from rgpu_protocol import ProtocolError
+from rgpu_protocol.lane import (
     FROM_CLIENT,
     FROM_SERVER,
     HEADER_SIZE,
@@ -127,19 +127,19 @@ def test_a_lane_needs_the_session_key(server):
     session = rgpu.connect(server.url)
     host, port = "127.0.0.1", port_of(server.url)
     with pytest.raises(LaneError, match="403"):
-        Lane(server.url, path="/lane", token=session._token, session=session._session_bytes,
+        Lane(server.url, path="/lane", token=session.token, session=session.session_bytes,
              key=b"\0" * 16)  # fmt: skip
     with pytest.raises(LaneError, match="403"):
-        Lane(server.url, path="/lane", token=session._token, session=b"\1" * 16,
-             key=session._lane_info["key"])  # fmt: skip
+        Lane(server.url, path="/lane", token=session.token, session=b"\1" * 16,
+             key=session.welcome.lane.key)  # fmt: skip
     # with the right key the lane opens; then the session still works
-    lane = Lane(server.url, path="/lane", token=session._token, session=session._session_bytes,
-                key=session._lane_info["key"])  # fmt: skip
+    lane = Lane(server.url, path="/lane", token=session.token, session=session.session_bytes,
+                key=session.welcome.lane.key)  # fmt: skip
     lane.close()
     # raw requests: without the token, 401; with it but without the lane headers, 403
     for auth, status in (
         (b"", b"401"),
-        (f"Authorization: Bearer {session._token}\r\n".encode(), b"403"),
+        (f"Authorization: Bearer {session.token}\r\n".encode(), b"403"),
     ):
         with socket.create_connection((host, port)) as s:
             s.sendall(
@@ -163,13 +163,13 @@ def _closed_by_server(lane: Lane) -> None:
 
 def test_a_bad_lane_record_closes_only_that_lane(server):
     session = rgpu.connect(server.url)
-    lane = Lane(server.url, path="/lane", token=session._token, session=session._session_bytes,
-                key=session._lane_info["key"])  # fmt: skip
+    lane = Lane(server.url, path="/lane", token=session.token, session=session.session_bytes,
+                key=session.welcome.lane.key)  # fmt: skip
     lane.sock.sendall(bytes([0x44]) + bytes(16))  # a DATA record: only the server sends those
     _closed_by_server(lane)
     # a PUT bigger than the session may stage is refused the same way
-    lane = Lane(server.url, path="/lane", token=session._token, session=session._session_bytes,
-                key=session._lane_info["key"])  # fmt: skip
+    lane = Lane(server.url, path="/lane", token=session.token, session=session.session_bytes,
+                key=session.welcome.lane.key)  # fmt: skip
     lane.sock.sendall(lane_header(LaneRecord.PUT, 1, 1 << 60))
     _closed_by_server(lane)
     x = torch.randn(BIG)
@@ -212,7 +212,7 @@ def test_lane_uploads_are_hashed_for_dedup_only_on_a_slow_lane(server):
     # a fast lane: hashing would cost more than sending, so neither was hashed or remembered
     assert session.stats()["dedup_hits"] == 0
     assert session.uploads._layouts.get((host.dtype, tuple(host.shape)), 0) == 0
-    session.lane_bps = 100e6  # as if the last lane upload had run at 100 MB/s
+    session.link.lane_bps = 100e6  # as if the last lane upload had run at 100 MB/s
     c = host.to("rgpu")  # hashed while it goes out, and remembered
     d = host.to("rgpu")  # the same bytes again: a copy on the server, nothing sent
     assert session.stats()["dedup_hits"] == 1

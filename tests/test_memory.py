@@ -53,7 +53,7 @@ def test_autograd_keeps_saved_tensors_until_backward(dev, session):
 
 
 def test_a_freed_id_is_gone_on_the_server(dev, session):
-    from rgpu.protocol import Kind, Ref
+    from rgpu_protocol import Kind, Ref
 
     x = torch.ones(3, device=dev)
     tid = x._r.id

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rgpu import protocol as p
-from rgpu.protocol.codec import Limits
+import rgpu_protocol as p
+from rgpu_protocol.codec import Limits
 
 ENC = p.Encoder()
 

@@ -185,7 +185,7 @@ def test_replay_buffer_is_bounded_by_flow_control(server, proxied):
         peak = 0
         for i in range(3000):
             x = x + 1
-            peak = max(peak, session._replay.bytes)
+            peak = max(peak, session.stream.unacked_bytes)
         print(x.sum().item(), peak)
     """
     out = subprocess.run(

@@ -227,7 +227,7 @@ def test_sessions_cannot_name_each_others_tensors(server):
     torch.rgpu.synchronize()
     code = f"""
         import torch, rgpu
-        from rgpu.protocol import Kind, Ref
+        from rgpu_protocol import Kind, Ref
         s = rgpu.connect({server.url!r})
         try:
             s.request((Kind.DOWNLOAD, Ref({secret._r.id})))

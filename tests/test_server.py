@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 import rgpu
-from rgpu import protocol as p
+import rgpu_protocol as p
 
 AUTH = {"Authorization": f"Bearer {os.environ['RGPU_TOKEN']}"}
 

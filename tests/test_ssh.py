@@ -204,7 +204,7 @@ def test_a_server_is_started_on_the_host_without_the_token_in_any_process_list(f
     pid = listener(tunnel.remote_port)
     assert pid and "--token-stdin" in cmdlines()[pid]
     token = tunnel.server.token
-    assert session._token == token and len(token) >= 40
+    assert session.token == token and len(token) >= 40
     assert not [pid for pid, cmd in cmdlines().items() if token in cmd], "token in a command line"
     for other in os.listdir("/proc"):  # nor in any process's environment
         try:
@@ -402,7 +402,7 @@ def test_a_running_server_token_is_read_over_ssh_from_its_token_file(fresh, tmp_
         assert token not in srv.wait_log(str(path)) and "clients connect with" not in srv.log()
         monkeypatch.delenv("RGPU_TOKEN")
         session = rgpu.connect(f"ssh://rgpu-test?port={port}&start=no&token_file={path}")
-        assert session._token == token
+        assert session.token == token
         assert torch.full((3,), 2.0, device="rgpu").prod().item() == 8.0
         rgpu.disconnect()
         with pytest.raises(rgpu.AuthError, match="--token-file"):

@@ -55,7 +55,7 @@ def test_the_queue_goes_out_when_the_client_goes_quiet(dev, session):
     while rgpu.stats()["frames"] == frames and time.time() < deadline:
         time.sleep(0.001)
     assert rgpu.stats()["frames"] == frames + 1  # sent without any wait
-    assert session._pending == []
+    assert session.stream.pending == 0
     del x
 
 

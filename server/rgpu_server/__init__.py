@@ -1,7 +1,6 @@
 """rgpu-server: runs the tensors and kernels of remote `device="rgpu"` clients on this host.
 
-This package is imported before `rgpu.protocol`, which marks the process as a server so that
-importing `rgpu` for its wire protocol does not register the rgpu device here.
+It speaks the wire contract of `rgpu_protocol` and never imports the client package `rgpu`.
 """
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ import sys
 import threading
 from dataclasses import replace
 
-from rgpu.protocol import DEFAULT_LIMITS
+from rgpu_protocol import DEFAULT_LIMITS
 
 from . import __version__
 from .app import LOOPBACK, RgpuServer, ServerConfig, pick_device

@@ -22,19 +22,24 @@ import torch
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from rgpu.protocol import (
+from rgpu_protocol import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     CloseCode,
-    Frame,
+    Hello,
+    LaneOffer,
     Limits,
     ProtocolError,
-    parse_handshake,
-    refuse_frame,
+    Welcome,
     torch_major_minor,
-    welcome_frame,
 )
-from rgpu.protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
+from rgpu_protocol.handshake import (
+    refuse_closing,
+    refuse_full,
+    refuse_protocol,
+    refuse_session_lost,
+)
+from rgpu_protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
 
 from . import __version__, kernels
 from .lane import LaneProtocol, ServerLane
@@ -305,7 +310,7 @@ class RgpuServer:
             first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
             if isinstance(first, str):
                 raise ProtocolError("the handshake must be a binary frame")
-            hello = parse_handshake(first, Frame.HELLO, self.config.limits)
+            hello = Hello.parse(first, self.config.limits)
         except (TimeoutError, asyncio.TimeoutError):
             await ws.close(CloseCode.BAD_HELLO, "no HELLO within 10 s")
             return
@@ -314,45 +319,32 @@ class RgpuServer:
             return
         except ConnectionClosed:
             return
-        if hello.get("protocol") != PROTOCOL_VERSION:
-            msg = f"this server speaks rgpu protocol {PROTOCOL_VERSION}, the client sent {hello.get('protocol')!r}"
-            await ws.send(refuse_frame("protocol", msg))
+        if hello.protocol != PROTOCOL_VERSION:
+            await ws.send(refuse_protocol(hello.protocol).frame())
             await ws.close(CloseCode.VERSION_MISMATCH, "protocol version mismatch")
             return
         if self._closing:
-            await ws.send(refuse_frame("closing", "the rgpu server is shutting down"))
+            await ws.send(refuse_closing().frame())
             await ws.close(CloseCode.GOING_AWAY, "shutting down")
             return
-        client_torch = str(hello.get("torch", "?"))
-        resume = hello.get("session")
-        session = self.sessions.get(resume) if isinstance(resume, bytes) else None
+        session = self.sessions.get(hello.session) if hello.session is not None else None
         if session is not None and session.ended:
             session = None
         resumed = session is not None
-        if resume is not None and not resumed:
-            await ws.send(refuse_frame(
-                "session-lost",
-                f"the rgpu server at {self.url} no longer has this session (it restarted, or the "
-                "session expired while the connection was down): every rgpu tensor of the session "
-                "is gone. Call rgpu.connect() to start a new session.",
-            ))  # fmt: skip
+        if hello.session is not None and not resumed:
+            await ws.send(refuse_session_lost(self.url).frame())
             await ws.close(CloseCode.BYE, "session lost")
             return
         if not resumed:
             if len(self.sessions) >= self.config.max_sessions:
-                await ws.send(
-                    refuse_frame(
-                        "full",
-                        f"the rgpu server already serves its maximum of {self.config.max_sessions} sessions",
-                    )
-                )
+                await ws.send(refuse_full(self.config.max_sessions).frame())
                 await ws.close(CloseCode.GOING_AWAY, "too many sessions")
                 return
-            if torch_major_minor(client_torch) != torch_major_minor(torch.__version__):
+            if torch_major_minor(hello.torch) != torch_major_minor(torch.__version__):
                 log.warning(
                     "client %s runs torch %s, this server torch %s",
                     peer,
-                    client_torch,
+                    hello.torch,
                     torch.__version__,
                 )
             session = Session(
@@ -381,26 +373,21 @@ class RgpuServer:
             asyncio.run_coroutine_threadsafe(ws.close(CloseCode.PROTOCOL_ERROR, reason[:120]), loop)
 
         # the WELCOME goes out before this connection can receive any reply
-        await ws.send(
-            welcome_frame(
-                {
-                    "protocol": PROTOCOL_VERSION,
-                    "server": __version__,
-                    "torch": torch.__version__,
-                    "session": session.id,
-                    "resumed": resumed,
-                    "last_seq": session.last_seq,
-                    "device": str(self.config.device),
-                    "device_name": device_name(self.config.device),
-                    "max_message": self.config.limits.max_message,
-                    "compress": ["zlib"],  # BATCH_Z frames are understood
-                    "max_chunk": min(
-                        self.config.limits.max_chunk, self.config.limits.max_message // 2
-                    ),
-                    "lane": {"path": LANE_PATH, "key": session.lane_key},
-                }
-            )
+        limits = self.config.limits
+        welcome = Welcome(
+            server=__version__,
+            torch=torch.__version__,
+            session=session.id,
+            device=str(self.config.device),
+            device_name=device_name(self.config.device),
+            max_message=limits.max_message,
+            max_chunk=min(limits.max_chunk, limits.max_message // 2),
+            resumed=resumed,
+            last_seq=session.last_seq,
+            compress=("zlib",),  # BATCH_Z frames are understood
+            lane=LaneOffer(LANE_PATH, session.lane_key),
         )
+        await ws.send(welcome.frame())
         old_ws = self._owner.get(session.id)
         generation = session.attach(send, on_protocol_error)
         self._owner[session.id] = ws
@@ -414,8 +401,8 @@ class RgpuServer:
                 "session %s started for %s (%s, torch %s)",
                 session.hex,
                 peer,
-                hello.get("client", "?"),
-                client_torch,
+                hello.client,
+                hello.torch,
             )
         received = session.processed
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from rgpu.protocol import Encoder, NodeRef, ProtocolError
+from rgpu_protocol import Encoder, NodeRef, NodeTag, ProtocolError
 
 from .ops import OpRefused, resolve
 
@@ -162,18 +162,28 @@ def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool]
         if type(node) is not list or not node or type(node[0]) is not str:
             raise ProtocolError(f"graph node {i} is malformed")
         kind = node[0]
-        if kind == "p" and len(node) == 1:
+        if kind == NodeTag.PLACEHOLDER and len(node) == 1:
             made.append(graph.placeholder(f"in{i}"))
-        elif kind == "c" and len(node) == 4 and type(node[2]) is list and type(node[3]) is dict:
+        elif (
+            kind == NodeTag.CALL
+            and len(node) == 4
+            and type(node[2]) is list
+            and type(node[3]) is dict
+        ):
             try:
                 resolved = resolve(node[1])
             except OpRefused as e:
                 raise GraphRefused(str(e)) from None
             seeded = seeded or resolved.seeded or resolved.takes_generator
             made.append(graph.call_function(resolved.op, tuple(arg(node[2])), arg(node[3])))
-        elif kind == "g" and len(node) == 3 and type(node[1]) is int and type(node[2]) is int:
+        elif (
+            kind == NodeTag.GETITEM
+            and len(node) == 3
+            and type(node[1]) is int
+            and type(node[2]) is int
+        ):
             made.append(graph.call_function(operator.getitem, (arg(NodeRef(node[1])), node[2])))
-        elif kind == "o" and len(node) == 2 and type(node[1]) is list:
+        elif kind == NodeTag.OUTPUT and len(node) == 2 and type(node[1]) is list:
             outputs = tuple(arg(node[1]))
             graph.output(outputs)
             made.append(None)

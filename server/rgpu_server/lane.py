@@ -15,8 +15,8 @@ import threading
 
 import torch
 
-from rgpu.protocol import ProtocolError, byte_view
-from rgpu.protocol.lane import (
+from rgpu_protocol import ProtocolError, byte_view
+from rgpu_protocol.lane import (
     FROM_CLIENT,
     HEADER_SIZE,
     LaneRecord,

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from rgpu_protocol import written_arguments
+
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
 
 # Operators a client may not run, each with the reason. Keys are "name.overload" or "name" (every
@@ -97,11 +99,7 @@ def resolve(name: str) -> ResolvedOp:
         raise OpRefused(f"aten::{name} is not an operator")
     takes_gen = any(a.name == "generator" for a in op._schema.arguments)
     seeded = not takes_gen and torch.Tag.nondeterministic_seeded in op.tags
-    writes = tuple(
-        (-1 if a.kwarg_only else i, a.name)
-        for i, a in enumerate(op._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
+    writes = written_arguments(op._schema)
     args = op._schema.arguments
     factory = any(a.name == "device" for a in args) and not any(
         "Tensor" in str(a.type) for a in args

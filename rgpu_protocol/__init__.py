@@ -1,7 +1,10 @@
-"""rgpu's wire format, with no I/O: bytes in, values out.
+"""rgpu's wire contract, with no I/O: bytes in, values and frames out.
 
-Both the client (`rgpu`) and the server (`rgpu_server`) import this package; importing it never
-registers the rgpu device. See docs/protocol.md.
+The client (`rgpu`) and the server (`rgpu_server`) both import this package, and it imports
+neither: it needs only msgpack and torch (for dtypes and the CPU tensors of inline data).
+It holds the codec (`codec`), frames (`frames`), messages and the facts both ends share
+(`messages`, `layout`), the handshake (`handshake`), the bulk lane's records (`lane`), and the two
+ends of the op stream as state machines (`client_stream`, `server_stream`). See docs/protocol.md.
 """
 
 from .buffers import byte_view
@@ -36,37 +39,60 @@ from .codec import (
     view_ext,
 )
 from .errors import EncodeError, LimitExceeded, ProtocolError
-from .messages import (
-    PROTOCOL_VERSION,
-    WAITED,
+from .frames import (
+    ABORT_OFFSET,
     BatchReader,
     CloseCode,
     Frame,
-    Kind,
-    Status,
     ack_frame,
     batch_frame,
     chunk_frame,
     compress_batch,
     decompress_batch,
     frame_kind,
-    hello_frame,
     parse_ack,
     parse_chunk,
-    parse_handshake,
     parse_reply,
-    refuse_frame,
     reply_frame,
+)
+from .handshake import (
+    PROTOCOL_VERSION,
+    Hello,
+    LaneOffer,
+    Refusal,
+    RefusalCode,
+    Welcome,
+    hello_frame,
+    parse_handshake,
+    refuse_frame,
+    session_lost_message,
     torch_major_minor,
     version_mismatch,
     welcome_frame,
 )
+from .layout import dense_strides, storage_span
+from .messages import (
+    DEFAULT_SEED,
+    MAX_DYNAMIC_OUTPUTS,
+    SPECS,
+    WAITED,
+    Kind,
+    NodeTag,
+    Status,
+    check_message,
+    lane_reply,
+    lane_reply_bytes,
+    written_arguments,
+    written_returns,
+)
 
 __all__ = [
+    "ABORT_OFFSET",
     "BatchReader",
     "CODE_TO_DTYPE",
     "CloseCode",
     "DEFAULT_LIMITS",
+    "DEFAULT_SEED",
     "DTYPE_TO_CODE",
     "Device",
     "EXT_HOST",
@@ -76,33 +102,45 @@ __all__ = [
     "EncodeError",
     "Encoder",
     "Frame",
+    "Hello",
     "HostData",
     "Kind",
+    "LaneOffer",
     "LimitExceeded",
     "Limits",
+    "MAX_DYNAMIC_OUTPUTS",
     "NodeRef",
+    "NodeTag",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "Ref",
+    "Refusal",
+    "RefusalCode",
+    "SPECS",
     "Status",
     "TensorMeta",
     "ViewRef",
     "WAITED",
+    "Welcome",
     "ack_frame",
     "batch_frame",
     "byte_view",
     "check_depth",
+    "check_message",
     "chunk_frame",
     "compress_batch",
-    "decompress_batch",
     "decode_host",
     "decode_simple_ext",
     "decode_view",
+    "decompress_batch",
     "default",
     "default_ext_hook",
+    "dense_strides",
     "frame_kind",
     "hello_frame",
     "host_ext",
+    "lane_reply",
+    "lane_reply_bytes",
     "make_unpacker",
     "meta_ext",
     "parse_ack",
@@ -112,10 +150,14 @@ __all__ = [
     "ref_ext",
     "refuse_frame",
     "reply_frame",
+    "session_lost_message",
+    "storage_span",
     "torch_major_minor",
     "unpack_one",
     "unpack_ref",
     "version_mismatch",
     "view_ext",
     "welcome_frame",
+    "written_arguments",
+    "written_returns",
 ]

@@ -1,4 +1,4 @@
-"""Frames and messages: what one websocket message holds, built and parsed without I/O.
+"""Frames: what one websocket message holds, built and parsed without I/O.
 
 A websocket message is a *frame*. Its first byte says what it is:
 
@@ -13,7 +13,7 @@ A websocket message is a *frame*. Its first byte says what it is:
 * ``ACK`` (server to client) -- the sequence number of the last message applied, so the client
   can drop what it keeps for replay after a dropped connection.
 
-A *message* is a msgpack array whose first item is its kind (`Kind`).
+Messages, the items of a BATCH, are described in `messages`; the handshake in `handshake`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ import msgpack
 
 from .codec import DEFAULT_LIMITS, Limits, check_depth, default_ext_hook, make_unpacker, unpack_one
 from .errors import LimitExceeded, ProtocolError
-
-PROTOCOL_VERSION = 1
+from .messages import Status
 
 
 class Frame(IntEnum):
@@ -44,33 +43,6 @@ class Frame(IntEnum):
     REFUSE = 0x22
 
 
-class Kind(IntEnum):
-    """Message kinds. Waited kinds get exactly one REPLY; the others get none."""
-
-    RUN = 1  # [RUN, op, args, kwargs, out_ids, expect?]
-    RUN_DYN = 2  # waited: [RUN_DYN, op, args, kwargs, first_id] -> output metadata / values
-    UPLOAD = 3  # [UPLOAD, dst_ref, host] or [UPLOAD, dst_ref, [dtype, shape, nbytes]] + CHUNKs
-    DOWNLOAD = 4  # waited: [DOWNLOAD, ref] -> bytes, or [nbytes] after DATA frames
-    FREE = 5  # [FREE, [ids]]
-    SEED = 6  # [SEED, seed]
-    SYNC = 7  # waited: [SYNC]
-    INFO = 8  # waited: [INFO] -> map of session and server facts
-    RNG_GET = 9  # waited: [RNG_GET] -> bytes
-    RNG_SET = 10  # [RNG_SET, bytes]
-    COMPILE = 16  # [COMPILE, graph_key, nodes, compiler, mode]: build (and cache) a graph
-    CALL = 17  # [CALL, graph_key, input refs, out_ids]: run a compiled graph
-    ACK = 18  # waited no-op whose reply confirms everything before it was applied
-
-
-WAITED = frozenset({Kind.RUN_DYN, Kind.DOWNLOAD, Kind.SYNC, Kind.INFO, Kind.RNG_GET, Kind.ACK})
-
-
-class Status(IntEnum):
-    OK = 0
-    ERROR = 1  # value: [op_label, message] -- a remote failure; the session carries on
-    PROTOCOL = 2  # value: message -- the server could not understand what it got
-
-
 class CloseCode(IntEnum):
     """Websocket close codes rgpu uses (4000-4999 are the application's)."""
 
@@ -81,6 +53,8 @@ class CloseCode(IntEnum):
     GOING_AWAY = 1001  # the server is shutting down
     BYE = 1000  # the client ended its session on purpose
 
+
+ABORT_OFFSET = (1 << 64) - 1  # a CHUNK at this offset cancels the upload it belongs to
 
 _SEQ_OFF = struct.Struct("<QQ")
 _END = object()
@@ -237,52 +211,3 @@ def parse_reply(
     except ValueError:
         raise ProtocolError(f"unknown reply status {value[1]!r}") from None
     return value[0], status, value[2]
-
-
-# -- handshake -----------------------------------------------------------------------------------
-
-
-def hello_frame(info: dict) -> bytes:
-    return bytes((Frame.HELLO,)) + msgpack.packb(info, use_bin_type=True)
-
-
-def welcome_frame(info: dict) -> bytes:
-    return bytes((Frame.WELCOME,)) + msgpack.packb(info, use_bin_type=True)
-
-
-def refuse_frame(code: str, message: str) -> bytes:
-    return bytes((Frame.REFUSE,)) + msgpack.packb({"code": code, "message": message})
-
-
-def parse_handshake(frame: bytes, expect: Frame, limits: Limits = DEFAULT_LIMITS) -> dict:
-    """Decode HELLO or WELCOME; a REFUSE frame is returned as {"refused": ..., "message": ...}."""
-    kind = frame_kind(frame)
-    value = unpack_one(memoryview(frame)[1:], limits)
-    if type(value) is not dict:
-        raise ProtocolError("handshake frame must hold a map")
-    if kind == Frame.REFUSE:
-        return {"refused": str(value.get("code")), "message": str(value.get("message"))}
-    if kind != expect:
-        raise ProtocolError(f"expected a {expect.name} frame, got {kind.name}")
-    return value
-
-
-def torch_major_minor(version: str) -> tuple[int, int] | None:
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def version_mismatch(client_torch: str, server_torch: str) -> str | None:
-    """A message when the two torch releases differ in major.minor, else None."""
-    a, b = torch_major_minor(client_torch), torch_major_minor(server_torch)
-    if a is not None and a == b:
-        return None
-    return (
-        f"torch versions differ: this client runs torch {client_torch}, the rgpu server runs torch "
-        f"{server_torch}. Operator schemas change between releases, so both must run the same "
-        f"major.minor. Install torch {'.'.join(map(str, b)) if b else server_torch} here (or match the "
-        f"server to this client), or set RGPU_ALLOW_VERSION_MISMATCH=1 to connect anyway at your own risk."
-    )

@@ -1,0 +1,191 @@
+"""Ops rgpu handles itself instead of streaming them: copies between the CPU and rgpu (uploads
+and downloads), `.item()`, pinning questions, factories (registered for PrivateUse1, since they
+never reach `__torch_dispatch__`), and `repr`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rgpu_protocol import dense_strides
+
+from . import current as _cur
+from . import tensor as _tensor
+from .dispatch import dispatch
+from .plans import check_session
+from .tensor import RemoteTensor
+
+aten = torch.ops.aten
+
+
+def _to_copy(func, info, args, kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        x = args[0]
+        if kwargs.get("non_blocking"):
+            return _to_cpu_async(x, kwargs)
+        out = (_cur._current or _cur.current()).download(x)
+        dtype = kwargs.get("dtype")
+        memory_format = kwargs.get("memory_format")
+        if dtype is not None and dtype != out.dtype:
+            out = out.to(dtype)
+        if memory_format is not None and memory_format != torch.preserve_format:
+            out = out.contiguous(memory_format=memory_format)
+        if kwargs.get("pin_memory"):
+            out = out.pin_memory()
+        return out
+    _check_device_index(device)
+    return _generic(func, info, args, kwargs)
+
+
+def _to_cpu_async(x: RemoteTensor, kwargs: dict) -> torch.Tensor:
+    """`x.to("cpu", non_blocking=True)`: a CPU tensor now, its values once the reply lands.
+
+    As with CUDA, read it after `torch.rgpu.synchronize()` or an `rgpu.Event` recorded later;
+    a dtype or layout change runs on the server first, so the readback itself stays one copy.
+    """
+    dtype = kwargs.get("dtype")
+    memory_format = kwargs.get("memory_format")
+    if (dtype is not None and dtype != x.dtype) or (
+        memory_format is not None and memory_format != torch.preserve_format
+    ):
+        x = dispatch(aten._to_copy.default, (x,), {"dtype": dtype, "memory_format": memory_format})
+    shape, stride = tuple(x.shape), x.stride()
+    target = (
+        torch.empty_strided(shape, stride, dtype=x.dtype)
+        if dense_strides(shape, stride)
+        else torch.empty(shape, dtype=x.dtype)
+    )
+    return (_cur._current or _cur.current()).download_async(x, into=target)
+
+
+def _generic(func, info, args, kwargs):
+    saved = info.special
+    info.special = None
+    try:
+        return dispatch(func, args, kwargs)
+    finally:
+        info.special = saved
+
+
+def _check_device_index(device: Any) -> None:
+    if device is None:
+        return
+    d = torch.device(device)
+    if d.type == _tensor.DEVICE_TYPE and d.index not in (None, 0):
+        raise RuntimeError(f"rgpu has one device, rgpu:0; {d} does not exist")
+
+
+def _copy(func, info, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, RemoteTensor) and not isinstance(src, RemoteTensor):
+        return upload_into(dst, src)
+    if isinstance(src, RemoteTensor) and not isinstance(dst, RemoteTensor):
+        return _copy_to_cpu(dst, src, bool(kwargs.get("non_blocking", False)))
+    return _generic(func, info, args, kwargs)
+
+
+def _copy_to_cpu(dst: torch.Tensor, src: RemoteTensor, non_blocking: bool) -> torch.Tensor:
+    sess = _cur._current or _cur.current()
+    if dst.device.type != "cpu":
+        raise RuntimeError(f"cannot copy an rgpu tensor to {dst.device} directly; copy to the CPU")
+    try:
+        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(
+            f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b "
+            f"({list(src.shape)}) for copy_ from an rgpu tensor"
+        )
+    if non_blocking:
+        sess.download_async(src, into=dst)  # filled on arrival, like a CUDA device-to-host copy
+        return dst
+    with torch.no_grad():
+        dst.copy_(sess.download(src))
+    return dst
+
+
+def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
+    if src.device.type != "cpu":
+        raise RuntimeError(
+            f"cannot copy a {src.device.type} tensor to rgpu directly; move it to the CPU first"
+        )
+    if torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
+        raise RuntimeError(
+            f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b ({list(src.shape)}) "
+            "for copy_ into an rgpu tensor"
+        )
+    sess = _cur._current or _cur.current()
+    check_session(dst, sess)
+    sess.upload(dst, src)
+    return dst
+
+
+def _local_scalar_dense(func, info, args, kwargs):
+    x = args[0]
+    sess = _cur._current or _cur.current()
+    return sess.download(x).item()
+
+
+def _is_pinned(func, info, args, kwargs):
+    return False
+
+
+def _set_storage(func, info, args, kwargs):
+    raise NotImplementedError(
+        "rgpu tensors cannot be pointed at a raw Storage; use set_(other_tensor)"
+    )
+
+
+HANDLERS = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.is_pinned.default: _is_pinned,
+    aten.set_.source_Storage: _set_storage,
+    aten.set_.source_Storage_storage_offset: _set_storage,
+}  # installed into plans.SPECIAL by rgpu._registration
+
+
+# -- factory kernels (registered for PrivateUse1: factories never reach __torch_dispatch__) ----
+
+
+def factory(func):
+    def kernel(*args, **kwargs):
+        _check_device_index(kwargs.get("device"))
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("rgpu tensors cannot be pinned; pin_memory applies to CPU tensors")
+        return dispatch(func, args, kwargs)
+
+    return kernel
+
+
+def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """PrivateUse1 `_copy_from`: torch.tensor(data, device="rgpu") and friends land here."""
+    if isinstance(dst, RemoteTensor) and not isinstance(src, RemoteTensor):
+        return upload_into(dst, src)
+    if isinstance(src, RemoteTensor) and not isinstance(dst, RemoteTensor):
+        return _copy_to_cpu(dst, src, non_blocking)
+    return dispatch(aten.copy_.default, (dst, src), {})
+
+
+def copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    if dst.shape != src.shape:
+        dst.resize_(src.shape)
+    return copy_from(src, dst)
+
+
+def tensor_repr(t: RemoteTensor) -> str:
+    with torch.no_grad():
+        data = (_cur._current or _cur.current()).download(t) if t._r.sess is _cur._current else None
+    if data is None:
+        return f"RemoteTensor(<from an ended rgpu session>, shape={list(t.shape)}, dtype={t.dtype})"
+    s = repr(data)
+    extra = f", device='{t.device}'"
+    if t.grad_fn is not None:
+        extra += f", grad_fn=<{type(t.grad_fn).__name__}>"
+    elif t.requires_grad:
+        extra += ", requires_grad=True"
+    return s[:-1] + extra + ")"

@@ -1,0 +1,206 @@
+"""The handshake: HELLO from the client, WELCOME or REFUSE from the server, as typed values.
+
+Each side builds its frame from a dataclass and reads the other's into one, so a field is named,
+typed and defaulted once, here, instead of with `.get()` at every place that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from .codec import DEFAULT_LIMITS, Limits, unpack_one
+from .errors import ProtocolError
+from .frames import Frame, frame_kind
+
+PROTOCOL_VERSION = 1
+
+
+def _typed(d: dict, name: str, types: tuple, default: Any) -> Any:
+    value = d.get(name, default)
+    if type(value) not in types and value is not default:
+        raise ProtocolError(f"handshake field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a client says first: its protocol and torch, and the session to resume, if any."""
+
+    protocol: int
+    torch: str
+    client: str = "?"
+    session: bytes | None = None  # the id of a session to resume
+
+    def frame(self) -> bytes:
+        return hello_frame(asdict(self))
+
+    @classmethod
+    def parse(cls, frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Hello:
+        d = parse_handshake(frame, Frame.HELLO, limits)
+        return cls(
+            protocol=d.get("protocol"),  # checked by the server against PROTOCOL_VERSION
+            torch=str(d.get("torch", "?")),
+            client=str(d.get("client", "?")),
+            session=_typed(d, "session", (bytes,), None),
+        )
+
+
+@dataclass(frozen=True)
+class LaneOffer:
+    """Where and with which key a session may open its bulk lane (rgpu_protocol.lane)."""
+
+    path: str
+    key: bytes
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The server's answer to HELLO: the session, and the facts the client needs about it."""
+
+    server: str  # rgpu-server's version
+    torch: str
+    session: bytes
+    device: str
+    device_name: str
+    max_message: int = DEFAULT_LIMITS.max_message
+    max_chunk: int = DEFAULT_LIMITS.max_chunk
+    resumed: bool = False
+    last_seq: int = 0  # the last message the server applied (what a resume replays after)
+    compress: tuple[str, ...] = ()  # BATCH_Z codecs the server understands
+    lane: LaneOffer | None = None
+    protocol: int = PROTOCOL_VERSION
+
+    def frame(self) -> bytes:
+        d = asdict(self)
+        d["compress"] = list(self.compress)
+        return welcome_frame(d)
+
+    @classmethod
+    def parse(cls, frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Welcome | Refusal:
+        d = parse_handshake(frame, Frame.WELCOME, limits)
+        if "refused" in d:
+            return Refusal(d["refused"], d["message"])
+        lane = d.get("lane")
+        offer = None
+        if type(lane) is dict and type(lane.get("path")) is str and type(lane.get("key")) is bytes:
+            offer = LaneOffer(lane["path"], lane["key"])
+        compress = d.get("compress") or ()
+        return cls(
+            server=str(d.get("server", "?")),
+            torch=str(d.get("torch", "?")),
+            session=_typed(d, "session", (bytes,), b""),
+            device=str(d.get("device", "?")),
+            device_name=str(d.get("device_name", "?")),
+            max_message=_typed(d, "max_message", (int,), DEFAULT_LIMITS.max_message),
+            max_chunk=_typed(d, "max_chunk", (int,), DEFAULT_LIMITS.max_chunk),
+            resumed=bool(d.get("resumed", False)),
+            last_seq=_typed(d, "last_seq", (int,), 0),
+            compress=tuple(str(c) for c in compress) if type(compress) is list else (),
+            lane=offer,
+            protocol=_typed(d, "protocol", (int,), PROTOCOL_VERSION),
+        )
+
+
+class RefusalCode(str, Enum):
+    """Why a server refused a HELLO (the REFUSE frame's code)."""
+
+    PROTOCOL = "protocol"  # another protocol version
+    CLOSING = "closing"  # the server is shutting down
+    SESSION_LOST = "session-lost"  # the session to resume is gone
+    FULL = "full"  # --max-sessions reached
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A REFUSE frame: a `RefusalCode` value and a message for the user."""
+
+    code: str
+    message: str
+
+    def frame(self) -> bytes:
+        return refuse_frame(self.code, self.message)
+
+
+def refuse_protocol(client_version: Any) -> Refusal:
+    return Refusal(
+        RefusalCode.PROTOCOL.value,
+        f"this server speaks rgpu protocol {PROTOCOL_VERSION}, the client sent {client_version!r}",
+    )
+
+
+def refuse_closing() -> Refusal:
+    return Refusal(RefusalCode.CLOSING.value, "the rgpu server is shutting down")
+
+
+def refuse_full(max_sessions: int) -> Refusal:
+    return Refusal(
+        RefusalCode.FULL.value,
+        f"the rgpu server already serves its maximum of {max_sessions} sessions",
+    )
+
+
+def session_lost_message(url: str) -> str:
+    """Why a resume failed; the server says it in REFUSE, the client when WELCOME says not
+    resumed."""
+    return (
+        f"the rgpu server at {url} no longer has this session (it restarted, or the session "
+        "expired while the connection was down): every rgpu tensor of the session is gone. "
+        "Call rgpu.connect() to start a new session."
+    )
+
+
+def refuse_session_lost(url: str) -> Refusal:
+    return Refusal(RefusalCode.SESSION_LOST.value, session_lost_message(url))
+
+
+# -- the frames themselves ------------------------------------------------------------------------
+
+
+def hello_frame(info: dict) -> bytes:
+    return bytes((Frame.HELLO,)) + msgpack.packb(info, use_bin_type=True)
+
+
+def welcome_frame(info: dict) -> bytes:
+    return bytes((Frame.WELCOME,)) + msgpack.packb(info, use_bin_type=True)
+
+
+def refuse_frame(code: str, message: str) -> bytes:
+    return bytes((Frame.REFUSE,)) + msgpack.packb({"code": code, "message": message})
+
+
+def parse_handshake(frame: bytes, expect: Frame, limits: Limits = DEFAULT_LIMITS) -> dict:
+    """Decode HELLO or WELCOME; a REFUSE frame is returned as {"refused": ..., "message": ...}."""
+    kind = frame_kind(frame)
+    value = unpack_one(memoryview(frame)[1:], limits)
+    if type(value) is not dict:
+        raise ProtocolError("handshake frame must hold a map")
+    if kind == Frame.REFUSE:
+        return {"refused": str(value.get("code")), "message": str(value.get("message"))}
+    if kind != expect:
+        raise ProtocolError(f"expected a {expect.name} frame, got {kind.name}")
+    return value
+
+
+def torch_major_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def version_mismatch(client_torch: str, server_torch: str) -> str | None:
+    """A message when the two torch releases differ in major.minor, else None."""
+    a, b = torch_major_minor(client_torch), torch_major_minor(server_torch)
+    if a is not None and a == b:
+        return None
+    return (
+        f"torch versions differ: this client runs torch {client_torch}, the rgpu server runs torch "
+        f"{server_torch}. Operator schemas change between releases, so both must run the same "
+        f"major.minor. Install torch {'.'.join(map(str, b)) if b else server_torch} here (or match the "
+        f"server to this client), or set RGPU_ALLOW_VERSION_MISMATCH=1 to connect anyway at your own risk."
+    )

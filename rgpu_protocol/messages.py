@@ -1,0 +1,188 @@
+"""Messages: their kinds, the shape of each kind, and the facts both ends must agree on.
+
+A *message* is a msgpack array whose first item is its kind. `SPECS` says, for every kind, which
+fields follow and of which types (as decoded); the server checks each message against it before
+running it (`check_message`), and the client builds only messages of these shapes. Everything
+else that both ends must agree on about message contents lives here too, written once: the
+largest number of outputs of a data-dependent op, the seed of a fresh session, the form of a
+download answered on the bulk lane, the tags of a shipped graph's nodes, and which arguments of
+an operator it writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from .errors import ProtocolError
+
+MAX_DYNAMIC_OUTPUTS = 4096  # values one RUN_DYN may return; the client reserves this many ids
+DEFAULT_SEED = 67280421310721  # torch's own default seed: a fresh session acts like a new process
+
+
+class Kind(IntEnum):
+    """Message kinds. Waited kinds get exactly one REPLY; the others get none."""
+
+    RUN = 1
+    RUN_DYN = 2
+    UPLOAD = 3
+    DOWNLOAD = 4
+    FREE = 5
+    SEED = 6
+    SYNC = 7
+    INFO = 8
+    RNG_GET = 9
+    RNG_SET = 10
+    COMPILE = 16
+    CALL = 17
+    ACK = 18
+
+
+class Status(IntEnum):
+    OK = 0
+    ERROR = 1  # value: [op_label, message] -- a remote failure; the session carries on
+    PROTOCOL = 2  # value: message -- the server could not understand what it got
+
+
+# -- the shape of each kind -----------------------------------------------------------------------
+
+ANY = object()  # a field decoded by the receiver itself (a tensor reference, an operator name)
+_NoneType = type(None)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    types: tuple | object  # accepted Python types after decoding, or ANY
+    optional: bool = False  # may be left off the end of the message
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    kind: Kind
+    fields: tuple[Field, ...]
+    waited: bool
+    doc: str
+
+    @property
+    def min_len(self) -> int:
+        return 1 + sum(not f.optional for f in self.fields)
+
+    @property
+    def max_len(self) -> int:
+        return 1 + len(self.fields)
+
+    def usage(self) -> str:
+        names = ", ".join(f"{f.name}?" if f.optional else f.name for f in self.fields)
+        return f"[{self.kind.name}{', ' if names else ''}{names}]"
+
+
+def _spec(kind: Kind, waited: bool, doc: str, *fields: Field) -> MessageSpec:
+    return MessageSpec(kind, fields, waited, doc)
+
+
+_OP = Field("op", ANY)  # an operator name, resolved by the server (a bad one fails like an op)
+_ARGS = Field("args", (list,))
+_KWARGS = Field("kwargs", (dict, _NoneType))
+_REF = Field("tensor", ANY)  # a tensor reference (EXT_REF or EXT_VIEW)
+
+SPECS: dict[int, MessageSpec] = {
+    s.kind: s
+    for s in (
+        _spec(Kind.RUN, False, "run an aten op; its outputs get the client's ids",
+              _OP, _ARGS, _KWARGS, Field("out_ids", (list,)),
+              Field("expect", (list, _NoneType), optional=True)),
+        _spec(Kind.RUN_DYN, True, "run an op whose outputs only the data can tell; reply: "
+              "output metadata and values, ids from first_id on",
+              _OP, _ARGS, _KWARGS, Field("first_id", (int,))),
+        _spec(Kind.UPLOAD, False, "bytes into a tensor: inline host data, a chunk header "
+              "[dtype, shape, nbytes] (CHUNK frames follow), or a lane header "
+              "[dtype, shape, nbytes, ticket]",
+              _REF, Field("data", ANY)),
+        _spec(Kind.DOWNLOAD, True, "a tensor's bytes; reply: the bytes, their count after DATA "
+              "frames, or lane_reply(nbytes)",
+              _REF, Field("ticket", (int, _NoneType), optional=True)),
+        _spec(Kind.FREE, False, "drop these ids", Field("ids", (list,))),
+        _spec(Kind.SEED, False, "seed the session's generator", Field("seed", (int,))),
+        _spec(Kind.SYNC, True, "reply once everything before ran; value: the server's clock"),
+        _spec(Kind.INFO, True, "reply: a map of session and server facts"),
+        _spec(Kind.RNG_GET, True, "reply: the session generator's state"),
+        _spec(Kind.RNG_SET, False, "set the session generator's state", Field("state", (bytes,))),
+        _spec(Kind.COMPILE, False, "build (and cache) a shipped graph",
+              Field("key", (str,)), Field("nodes", (list,)), Field("compiler", (str,)),
+              Field("mode", (str, _NoneType))),
+        _spec(Kind.CALL, False, "run a compiled graph",
+              Field("key", (str,)), Field("inputs", (list,)), Field("out_ids", (list,))),
+        _spec(Kind.ACK, True, "a no-op whose reply confirms everything before it was applied"),
+    )
+}  # fmt: skip
+
+WAITED = frozenset(k for k, s in SPECS.items() if s.waited)
+
+
+def check_message(msg: list) -> MessageSpec:
+    """The spec of a decoded message, once its length and field types match it; a
+    ProtocolError that names the kind and its form otherwise."""
+    spec = SPECS.get(msg[0])
+    if spec is None:
+        raise ProtocolError(f"unknown message kind {msg[0]}")
+    n = len(msg)
+    if n < spec.min_len or n > spec.max_len:
+        raise ProtocolError(f"{spec.kind.name} takes {spec.usage()}, got {n - 1} field(s)")
+    for f, value in zip(spec.fields, msg[1:]):
+        if f.types is not ANY and type(value) not in f.types:  # type: ignore[operator]
+            raise ProtocolError(
+                f"{spec.kind.name}'s {f.name} must be "
+                + " or ".join("null" if t is _NoneType else t.__name__ for t in f.types)  # type: ignore[union-attr]
+                + f", not {type(value).__name__}"
+            )
+    return spec
+
+
+# -- facts about message contents -----------------------------------------------------------------
+
+
+def lane_reply(nbytes: int) -> list:
+    """The value of a DOWNLOAD's reply when its bytes went out on the bulk lane."""
+    return ["lane", nbytes]
+
+
+def lane_reply_bytes(value: Any) -> int | None:
+    """The byte count of a lane reply; None when `value` is an ordinary download reply."""
+    if type(value) is list and len(value) == 2 and value[0] == "lane" and type(value[1]) is int:
+        return value[1]
+    return None
+
+
+class NodeTag:
+    """The first item of each node of a shipped graph (COMPILE's `nodes`)."""
+
+    PLACEHOLDER = "p"  # ["p"]: the next input
+    CALL = "c"  # ["c", op, args, kwargs]: an aten op over earlier nodes (NodeRef) and constants
+    GETITEM = "g"  # ["g", node, i]: item i of an earlier node's result
+    OUTPUT = "o"  # ["o", [values]]: the graph's outputs; the last node
+
+
+def written_arguments(schema: Any) -> tuple[tuple[int, str], ...]:
+    """(position, or -1 when keyword-only; name) of each argument an operator writes: both
+    ends must treat these the same (a failed op poisons them; its result aliases them)."""
+    return tuple(
+        (-1 if a.kwarg_only else i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def written_returns(schema: Any) -> tuple[tuple[int, int, str], ...]:
+    """(return index, argument position or -1, argument name) for each return that is a written
+    argument itself (in-place and out= ops)."""
+    found = []
+    for i, r in enumerate(schema.returns):
+        if r.alias_info is None or not r.alias_info.is_write:
+            continue
+        for j, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.before_set == r.alias_info.before_set:
+                found.append((i, -1 if a.kwarg_only else j, a.name))
+                break
+    return tuple(found)

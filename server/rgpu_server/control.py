@@ -1,0 +1,50 @@
+"""Messages about the session rather than tensors: seeding and reading its generator, syncing
+with the device, facts for INFO, and explicit confirmation (ACK)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rgpu_protocol import Status, byte_view
+
+from .poison import describe
+from .state import SessionState
+
+
+def seed(s: SessionState, seq: int, msg: list) -> None:
+    s.generator.manual_seed(msg[1] & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+def sync(s: SessionState, seq: int, msg: list) -> None:
+    if s.error_pending(seq):
+        return
+    if s.device.type == "cuda":
+        torch.cuda.synchronize(s.device)
+    elif s.device.type == "mps":
+        torch.mps.synchronize()
+    # the server's clock once the device is idle: the client's Event.elapsed_time
+    s.reply(seq, Status.OK, time.perf_counter())
+
+
+def info(s: SessionState, seq: int, msg: list) -> None:
+    if not s.error_pending(seq):
+        s.reply(seq, Status.OK, s.info())
+
+
+def rng_get(s: SessionState, seq: int, msg: list) -> None:
+    if not s.error_pending(seq):
+        s.reply(seq, Status.OK, bytes(byte_view(s.generator.get_state())))
+
+
+def rng_set(s: SessionState, seq: int, msg: list) -> None:
+    try:
+        s.generator.set_state(torch.frombuffer(bytearray(msg[1]), dtype=torch.uint8))
+    except RuntimeError as e:
+        s.fail("set_rng_state", describe(e), ())
+
+
+def ack(s: SessionState, seq: int, msg: list) -> None:
+    if not s.error_pending(seq):
+        s.reply(seq, Status.OK, s.last_seq)

@@ -1,0 +1,227 @@
+"""Running aten ops for a session: RUN (outputs under the client's ids), RUN_DYN (outputs only
+the data can tell, answered with their metadata) and FREE.
+
+A failed op poisons its outputs and the tensors it writes; the first failure is reported at the
+client's next wait (`Session.error_pending`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, ProtocolError, Status, TensorMeta, storage_span
+
+from . import rng
+from .ops import OpRefused, resolve
+from .ops import _cache as _resolved
+from .poison import describe
+from .quota import factory_bytes
+from .state import SessionState
+
+
+def flatten(result: Any) -> list:
+    """An op's result as the flat list of values its out ids name (one level of nesting)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        flat: list = []
+        for r in result:
+            if isinstance(r, (tuple, list)):
+                flat.extend(r)
+            else:
+                flat.append(r)
+        return flat
+    return [result]
+
+
+def call(s: SessionState, resolved: Any, args: list, kwargs: dict | None) -> Any:
+    """Run a resolved op with the session's generator."""
+    kwargs = kwargs or {}
+    if resolved.takes_generator and kwargs.get("generator") is None:
+        kwargs["generator"] = s.generator
+        return resolved.op(*args, **kwargs)
+    if resolved.seeded:
+        with rng.session_state(s.generator, s.device):
+            return resolved.op(*args, **kwargs)
+    return resolved.call(*args, **kwargs)
+
+
+def run(s: SessionState, seq: int, msg: list) -> None:
+    _, name, args, kwargs, outs = msg[:5]
+    if len(msg) == 5 and len(outs) == 1 and s.bad is None and s.quota is None:
+        # the hot path: one output, nothing to check, no quota
+        resolved = _resolved.get(name) if type(name) is str else None
+        if resolved is not None and resolved.plain:
+            try:
+                result = resolved.call(*args, **kwargs) if kwargs else resolved.call(*args)
+            except Exception as e:
+                s.fail(resolved.label, describe(e), [*outs, *s.written_ids(resolved, args, kwargs)])
+                return
+            s.ops_run += 1
+            i = outs[0]
+            if type(result) is torch.Tensor and type(i) is int:
+                s.tensors[i] = result
+                return
+            store(s, resolved, msg, outs, result)
+            return
+    try:
+        resolved = resolve(name)
+    except OpRefused as e:
+        s.fail(f"aten::{name}", f"OpRefused: {e}", outs)
+        return
+    if s.bad is not None:
+        s.pass_on_bad(resolved.label, [*outs, *s.written_ids(resolved, args, kwargs)])
+        return
+    if s.quota is not None and resolved.factory:
+        need = factory_bytes(resolved, args, kwargs)
+        if not s.quota.fits(need):
+            s.fail(resolved.label, s.quota.message(need), outs)
+            return
+    try:
+        result = call(s, resolved, args, kwargs)
+    except Exception as e:
+        s.fail(resolved.label, describe(e), [*outs, *s.written_ids(resolved, args, kwargs)])
+        return
+    s.ops_run += 1
+    store(s, resolved, msg, outs, result)
+
+
+def store(s: SessionState, resolved: Any, msg: list, outs: list, result: Any) -> None:
+    """Keep an op's outputs under the client's ids."""
+    if not outs:
+        return
+    if len(outs) == 1 and type(result) is torch.Tensor:
+        flat = [result]
+    else:
+        flat = flatten(result)
+        if len(flat) != len(outs):
+            s.fail(
+                resolved.label, f"op returned {len(flat)} values, client expected {len(outs)}", outs
+            )
+            return
+    if len(msg) > 5 and msg[5] is not None:
+        flat = check_expected(s, resolved.label, flat, msg[5], outs)
+        if flat is None:
+            return
+    tensors = s.tensors
+    for i, v in zip(outs, flat):
+        if i is not None:
+            if type(i) is not int:
+                raise ProtocolError("output ids must be integers or null")
+            if isinstance(v, torch.Tensor):
+                tensors[i] = v
+            elif v is not None:  # None: an undefined optional output (e.g. a masked-out grad)
+                s.fail(resolved.label, f"expected a tensor output, got {type(v).__name__}", outs)
+                return
+    if s.quota is not None:
+        s.charge(resolved.label, outs)
+
+
+def check_expected(s: SessionState, label: str, flat: list, expect: Any, outs: list) -> list | None:
+    """Make outputs match the client's predicted layout (a copy when only strides differ)."""
+    if type(expect) is not list or len(expect) != len(flat):
+        raise ProtocolError("expected-metadata list does not match the outputs")
+    fixed = list(flat)
+    for k, (v, e) in enumerate(zip(flat, expect)):
+        if e is None or not isinstance(v, torch.Tensor):
+            continue
+        if type(e) is not TensorMeta:
+            raise ProtocolError("expected metadata must be tensor metadata")
+        if v.dtype == e.dtype and v.numel() == 0 and tuple(v.shape) != tuple(e.shape):
+            # e.g. batch norm's save_mean in eval mode: the real kernel returns an empty
+            # tensor where the meta kernel (and CUDA) return one of size C; nothing reads it
+            fixed[k] = torch.zeros(e.shape, dtype=e.dtype, device=v.device).as_strided(
+                e.shape, e.stride
+            )
+            s.conformed += 1
+            continue
+        if v.dtype != e.dtype or tuple(v.shape) != tuple(e.shape):
+            s.fail(
+                label,
+                f"rgpu predicted output {k} as {e.dtype} {list(e.shape)} but the server produced "
+                f"{v.dtype} {list(v.shape)}; please report this as an rgpu bug",
+                outs,
+            )
+            return None
+        if v.stride() != tuple(e.stride) or v.storage_offset() != e.offset:
+            base = torch.empty(
+                max(storage_span(e.shape, e.stride, e.offset), 0), dtype=v.dtype, device=v.device
+            )
+            out = base.as_strided(e.shape, e.stride, e.offset)
+            out.copy_(v)
+            fixed[k] = out
+            s.conformed += 1
+    return fixed
+
+
+def run_dynamic(s: SessionState, seq: int, msg: list) -> None:
+    """An op whose output shapes only the data can tell: run now, answer with metadata."""
+    _, name, args, kwargs, first_id = msg
+    if first_id < 1:
+        raise ProtocolError("RUN_DYN first_id must be a positive integer")
+    if s.error_pending(seq):
+        return
+    try:
+        resolved = resolve(name)
+    except OpRefused as e:
+        s.reply(seq, Status.ERROR, [f"aten::{name}", f"OpRefused: {e}"])
+        return
+    if s.bad is not None:
+        s.reply(seq, Status.ERROR, s.bad_reply(resolved.label))
+        return
+    try:
+        result = call(s, resolved, args, kwargs)
+    except Exception as e:
+        s.fail(resolved.label, describe(e), s.written_ids(resolved, args, kwargs))
+        s.first_error = None  # reported now, in the reply
+        s.reply(seq, Status.ERROR, [resolved.label, describe(e)])
+        return
+    s.ops_run += 1
+    flat = flatten(result)
+    problem = None
+    if len(flat) > MAX_DYNAMIC_OUTPUTS:
+        problem = f"returned {len(flat)} values; at most {MAX_DYNAMIC_OUTPUTS} are supported"
+    else:
+        for v in flat:
+            if isinstance(v, torch.Tensor) and v.layout != torch.strided:
+                problem = (
+                    f"produced a {v.layout} tensor; rgpu supports dense (strided) tensors only"
+                )
+                break
+    if problem is not None:
+        s.reply(seq, Status.ERROR, [resolved.label, problem])
+        return
+    values: list = []
+    stored = []
+    next_id = first_id
+    for v in flat:
+        if isinstance(v, torch.Tensor):
+            s.tensors[next_id] = v
+            stored.append(next_id)
+            next_id += 1
+            values.append(
+                TensorMeta(
+                    v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.is_conj(), v.is_neg()
+                )  # fmt: skip
+            )
+        elif v is None or type(v) in (bool, int, float, complex, str, torch.dtype):
+            values.append(v)
+        else:
+            values.append(str(v))
+    if s.quota is not None and not s.charge(resolved.label, stored, report=False):
+        s.reply(seq, Status.ERROR, [resolved.label, s.quota.message()])
+        return
+    s.reply(seq, Status.OK, values)
+
+
+def free(s: SessionState, seq: int, msg: list) -> None:
+    pop = s.tensors.pop
+    if s.quota is not None:
+        for i in msg[1]:
+            if type(i) is int:
+                s.quota.uncharge(i)
+    for i in msg[1]:
+        if type(i) is int:
+            pop(i, None)

@@ -1,0 +1,36 @@
+"""The handler of each message kind: the server's whole dispatch, as one table.
+
+A handler takes the session's state, the message's sequence number and the message, already
+checked against its `MessageSpec` (rgpu_protocol.messages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rgpu_protocol import SPECS, Kind
+
+from . import control, execute, graph_messages, transfers
+from .state import SessionState
+
+Handler = Callable[[SessionState, int, list], None]
+
+HANDLERS: dict[int, Handler] = {
+    Kind.RUN: execute.run,
+    Kind.RUN_DYN: execute.run_dynamic,
+    Kind.FREE: execute.free,
+    Kind.UPLOAD: transfers.upload,
+    Kind.DOWNLOAD: transfers.download,
+    Kind.SEED: control.seed,
+    Kind.SYNC: control.sync,
+    Kind.INFO: control.info,
+    Kind.RNG_GET: control.rng_get,
+    Kind.RNG_SET: control.rng_set,
+    Kind.ACK: control.ack,
+    Kind.COMPILE: graph_messages.compile_graph,
+    Kind.CALL: graph_messages.call_graph,
+}
+
+discard_chunks = transfers.DISCARD  # where the chunks of a replayed, already applied upload go
+
+assert set(HANDLERS) == set(SPECS), "every message kind of the protocol needs a handler"
