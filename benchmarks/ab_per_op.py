@@ -1,11 +1,14 @@
-"""Per-op cost of two commits side by side (A/B), to tell a regression from the machine's noise.
+"""Per-op cost and the MLP training step of two commits side by side (A/B), to tell a regression
+from the machine's noise.
 
     python benchmarks/ab_per_op.py 92cb622 HEAD [--rounds 3] [--out FILE.json]
 
 Each commit is checked out in a temporary git worktree. Rounds alternate between the two: a
 fresh process imports that tree's rgpu, starts its embedded CPU server, and times 7 repeats of
-5,000 `x = x + 1` on 16 floats plus one `.item()`, recording wall time and client CPU time per
-op. The summary compares the medians of the best four repeats of each round.
+5,000 `x = x + 1` on 16 floats plus one `.item()` (wall time and client CPU time per op), then
+5 repeats of 200 steps of bench_core's MLP (Linear(16,32)-ReLU-Linear(32,1), batch 64, SGD, the
+loss read every 10 steps). The summary compares the medians of the best four (per-op) and best
+three (MLP) repeats of each round.
 """
 
 from __future__ import annotations
@@ -42,12 +45,30 @@ for _ in range(7):
         x = x + 1
     x.sum().item()
     out.append([(time.perf_counter() - t0) / 5000 * 1e6, (time.process_time() - c0) / 5000 * 1e6])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to("rgpu")
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+xb, yb = torch.randn(64, 16).to("rgpu"), torch.randn(64, 1).to("rgpu")
+def steps(n):
+    for i in range(n):
+        opt.zero_grad()
+        loss = (model(xb) - yb).square().mean()
+        loss.backward()
+        opt.step()
+        if (i + 1) % 10 == 0:
+            loss.item()
+steps(20)
+mlp = []
+for _ in range(5):
+    t0 = time.perf_counter()
+    steps(200)
+    mlp.append((time.perf_counter() - t0) / 200 * 1e3)
 rgpu.disconnect()
-print(json.dumps(out))
+print(json.dumps({"op": out, "mlp_ms": mlp}))
 """
 
 
-def run_tree(root: str) -> list[list[float]]:
+def run_tree(root: str) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{root}:{root}/server"}  # the embedded server's code too
     out = subprocess.run(
         [sys.executable, "-c", CHILD, root],
@@ -74,25 +95,37 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "add", "-f", "--detach", path, rev], cwd=REPO,
                            check=True, capture_output=True)  # fmt: skip
             trees[rev] = path
-        rounds: dict[str, list[list[list[float]]]] = {rev: [] for rev in trees}
+        rounds: dict[str, list[dict]] = {rev: [] for rev in trees}
         for r in range(args.rounds):
             for rev, path in trees.items():
-                reps = run_tree(path)
-                rounds[rev].append(reps)
-                best = sorted(w for w, _ in reps)[:4]
-                log(f"round {r} {rev}: {statistics.median(best):.1f} µs/op (best four, wall)")
-        doc = doc_header("per-op A/B", "rgpu at two commits")
+                run = run_tree(path)
+                rounds[rev].append(run)
+                best = sorted(w for w, _ in run["op"])[:4]
+                mlp = sorted(run["mlp_ms"])[:3]
+                log(f"round {r} {rev}: {statistics.median(best):.1f} µs/op (best four, wall), "
+                    f"MLP {statistics.median(mlp):.2f} ms/step (best three)")  # fmt: skip
+        doc = doc_header("per-op and MLP A/B", "rgpu at two commits")
         doc["revisions"] = {}
         for rev, runs in rounds.items():
-            walls = [statistics.median(sorted(w for w, _ in reps)[:4]) for reps in runs]
-            cpus = [statistics.median(sorted(c for _, c in reps)[:4]) for reps in runs]
+            walls = [statistics.median(sorted(w for w, _ in run["op"])[:4]) for run in runs]
+            cpus = [statistics.median(sorted(c for _, c in run["op"])[:4]) for run in runs]
+            mlps = [statistics.median(sorted(run["mlp_ms"])[:3]) for run in runs]
             doc["revisions"][rev] = {
                 "wall_us_per_op_by_round": walls,
                 "client_cpu_us_per_op_by_round": cpus,
                 "median_wall_us_per_op": statistics.median(walls),
+                "median_client_cpu_us_per_op": statistics.median(cpus),
+                "mlp_ms_per_step_by_round": mlps,
+                "median_mlp_ms_per_step": statistics.median(mlps),
             }
-        a, b = (doc["revisions"][rev]["median_wall_us_per_op"] for rev in trees)
-        doc["ratio_b_over_a"] = b / a
+        revs = [doc["revisions"][rev] for rev in trees]
+        doc["ratio_b_over_a"] = revs[1]["median_wall_us_per_op"] / revs[0]["median_wall_us_per_op"]
+        doc["cpu_ratio_b_over_a"] = (
+            revs[1]["median_client_cpu_us_per_op"] / revs[0]["median_client_cpu_us_per_op"]
+        )
+        doc["mlp_ratio_b_over_a"] = (
+            revs[1]["median_mlp_ms_per_step"] / revs[0]["median_mlp_ms_per_step"]
+        )
         emit(doc, args.out)
     finally:
         for path in trees.values():

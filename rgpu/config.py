@@ -173,3 +173,21 @@ class Config:
 
 
 DEFAULT = Config()
+
+
+def table() -> str:
+    """The settings as the Markdown table docs/configuration.md holds."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for name, setting in FIELDS.items():
+        default = getattr(DEFAULT, name)
+        shown = "unset" if default is None else f"`{_shown(default)}`"
+        rows.append(f"| `{setting.env}` | {shown} | {setting.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+def _shown(value: Any) -> str:
+    if value is True or value is False:
+        return "1" if value else "0"
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 20} MiB"
+    return str(value)

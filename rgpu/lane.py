@@ -1,4 +1,4 @@
-"""The client end of the bulk lane (see rgpu/protocol/lane.py): large tensors as raw bytes.
+"""The client end of the bulk lane (see rgpu_protocol/lane.py): large tensors as raw bytes.
 
 One plain socket (TLS for wss://), opened with a websocket upgrade that websockets' sans-I/O
 client builds and checks, then read by one thread that puts DATA records straight into the

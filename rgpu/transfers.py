@@ -34,7 +34,7 @@ from . import dedup
 from .errors import ProtocolViolation
 from .lane import Lane, LaneError
 from .progress import TransferProgress
-from .waiter import Waiter
+from .waits import Waiter
 
 _RUN = int(Kind.RUN)
 INLINE_UPLOAD = 256 * 1024  # uploads up to this size ride inside the op stream

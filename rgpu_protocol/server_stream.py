@@ -130,12 +130,11 @@ class ServerStream:
             if is_chunked_upload(msg):
                 nbytes = chunk_header(msg[2])[2]
                 fresh = seq > self.last_seq
-                self._upload = [seq, nbytes, 0, fresh]
+                if nbytes:
+                    self._upload = [seq, nbytes, 0, fresh]
                 yield Incoming(seq, msg, Action.RUN if fresh else Action.DRAIN, nbytes=nbytes)
-                if nbytes == 0:  # no chunks follow
-                    self._upload = None
-                    if fresh:
-                        self.last_seq = seq
+                if fresh and not nbytes:  # no chunks follow
+                    self.last_seq = seq
             elif seq > self.last_seq:
                 yield Incoming(seq, msg, Action.RUN)
                 self.last_seq = seq

@@ -1,4 +1,9 @@
-"""`rgpu-server` / `python -m rgpu_server`: serve this host's GPU (or CPU) to rgpu clients."""
+"""`rgpu-server` / `python -m rgpu_server`: serve this host's GPU (or CPU) to rgpu clients.
+
+Every setting comes from here: flags, and the environment variables that are their defaults
+(RGPU_TOKEN, RGPU_COMPILE_CACHE_DIR) or developer aids (RGPU_SERVER_PROFILE: a cProfile dump
+per session into that directory). Nothing else in the server reads the environment.
+"""
 
 from __future__ import annotations
 
@@ -71,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     lim = p.add_argument_group("limits")
     p.add_argument(
         "--compile-cache-dir",
-        default=None,
+        default=os.environ.get("RGPU_COMPILE_CACHE_DIR") or None,
         help="where compiled graphs are cached across sessions and restarts (default: "
         "RGPU_COMPILE_CACHE_DIR, else ~/.cache/rgpu)",
     )
@@ -187,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         grace=args.session_grace,
         max_sessions=args.max_sessions,
         quota=None if args.session_quota_mb is None else args.session_quota_mb << 20,
+        profile_dir=os.environ.get("RGPU_SERVER_PROFILE") or None,
     )
     server = RgpuServer(config)
 

@@ -101,6 +101,7 @@ class ServerConfig:
     grace: float = 120.0  # seconds a session waits for its client to reconnect
     max_sessions: int = 64
     quota: int | None = None  # bytes of tensor storage one session may hold
+    profile_dir: str | None = None  # a cProfile dump per session goes here (developer aid)
 
 
 class RgpuServer:
@@ -353,6 +354,7 @@ class RgpuServer:
                 self.config.limits,
                 client=peer,
                 quota=self.config.quota,
+                profile_dir=self.config.profile_dir,
             )
             session.server_info = self.info
             self.sessions[session.id] = session

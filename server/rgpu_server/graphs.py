@@ -30,15 +30,10 @@ MAX_NODES = 200_000
 _CANON = Encoder().encode
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("RGPU_COMPILE_CACHE_DIR") or Path.home() / ".cache" / "rgpu")
-
-
 def configure_cache(path: str | None) -> Path:
     """Point Inductor's on-disk caches at our cache directory (before Inductor is imported)."""
-    root = Path(path) if path else cache_dir()
+    root = Path(path) if path else Path.home() / ".cache" / "rgpu"
     root.mkdir(parents=True, exist_ok=True)
-    os.environ["RGPU_COMPILE_CACHE_DIR"] = str(root)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     return root
 

@@ -1,4 +1,4 @@
-"""The server end of the bulk lane (see rgpu/protocol/lane.py): raw bytes straight into tensors.
+"""The server end of the bulk lane (see rgpu_protocol/lane.py): raw bytes straight into tensors.
 
 After the lane's HTTP upgrade, the websocket protocol object hands the transport over to
 `LaneProtocol`, a buffered protocol: the kernel copies an upload's bytes directly into the staging

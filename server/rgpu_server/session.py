@@ -64,8 +64,10 @@ class Session(SessionState):
         limits: Limits,
         client: str = "?",
         quota: int | None = None,
+        profile_dir: str | None = None,
     ) -> None:
         super().__init__(sid, device, limits, client, quota)
+        self._profile_dir = profile_dir
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.processed = 0  # bytes of frames taken from the inbox (the reader pauses on backlog)
         self.on_protocol_error: Callable[[str], None] | None = None
@@ -119,7 +121,7 @@ class Session(SessionState):
     # -- the worker --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        profile_dir = os.environ.get("RGPU_SERVER_PROFILE")  # developer aid: cProfile per session
+        profile_dir = self._profile_dir
         if profile_dir:
             import cProfile
 
@@ -187,7 +189,11 @@ class Session(SessionState):
             elif action is Action.RESEND:  # its reply was lost with the old connection
                 self.deliver(incoming.frames)
             if self.sink is not None:
-                self._sink_generation = generation
+                if self.stream.chunks_wanted:
+                    self._sink_generation = generation
+                else:  # an upload of no bytes: no chunks follow
+                    sink, self.sink = self.sink, None
+                    sink.done()
             self.bad = None
             if self.refs:
                 self.refs = {}
