@@ -158,15 +158,18 @@ class BatchReader:
         except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
             raise ProtocolError(f"malformed message in batch: {e}") from None
 
+    def next_message(self) -> list | None:
+        """The next message, or None at the end of the frame."""
+        msg = self._next()
+        if msg is _END:
+            return None
+        if type(msg) is not list or not msg or type(msg[0]) is not int:
+            raise ProtocolError("a message must be an array that starts with its kind")
+        check_depth(msg, self._limits.max_depth)
+        return msg
+
     def __iter__(self) -> Iterator[list]:
-        depth = self._limits.max_depth
-        while True:
-            msg = self._next()
-            if msg is _END:
-                return
-            if type(msg) is not list or not msg or type(msg[0]) is not int:
-                raise ProtocolError("a message must be an array that starts with its kind")
-            check_depth(msg, depth)
+        while (msg := self.next_message()) is not None:
             yield msg
 
 

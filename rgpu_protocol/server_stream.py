@@ -12,8 +12,7 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,7 +27,7 @@ from .frames import (
     parse_chunk,
     reply_frame,
 )
-from .messages import WAITED, Kind, Status
+from .messages import WAITED, Kind, MessageSpec, Status, check_message
 
 REPLY_CACHE = 32  # replies kept for resending after a dropped connection...
 REPLY_CACHE_BYTES = 512 << 20  # ...and their bytes (the newest is always kept)
@@ -44,13 +43,17 @@ class Action(enum.Enum):
     SKIP = "skip"  # applied before, nothing to answer
 
 
-@dataclass
-class Incoming:
+class Incoming(NamedTuple):
     seq: int
+    spec: MessageSpec | None  # a message to run: its kind's spec, which it was checked against
     msg: list
     action: Action
     frames: list | None = None  # RESEND
     nbytes: int = 0  # a chunked UPLOAD's bytes
+
+
+_RUN = Action.RUN
+_UPLOAD = int(Kind.UPLOAD)
 
 
 class UploadAborted(Exception):
@@ -100,10 +103,12 @@ class ServerStream:
 
     def messages(
         self, frame: bytes, ext_hook: Callable[[int, bytes], Any] = default_ext_hook
-    ) -> Iterator[Incoming]:
-        """The messages of a BATCH or BATCH_Z frame, decoded one at a time (message i only after
+    ) -> Iterator[Incoming | tuple]:
+        """The messages of a BATCH or BATCH_Z frame as `Incoming` fields (a plain tuple of them
+        for a message to run, the common case), decoded one at a time (message i only after
         message i - 1 ran: references resolve against the tensors it made), each with what to
-        do with it. A message to RUN counts as applied once the caller asks for the next one;
+        do with it. Messages to run are checked against their kind's spec first
+        (`check_message`). A message to RUN counts as applied once the caller asks for the next one;
         if the caller stops early, it was not. A chunked UPLOAD must end its batch; it counts
         as applied once its last CHUNK came in (`chunk`), and a RUN or DRAIN of one means the
         next frames are its chunks."""
@@ -124,24 +129,27 @@ class ServerStream:
         seq = reader.first_seq
         if seq > self.last_seq + 1:
             raise ProtocolError(f"sequence gap: expected {self.last_seq + 1}, got {seq}")
-        for msg in reader:
+        next_message = reader.next_message
+        while (msg := next_message()) is not None:
             if self._upload is not None:
                 raise ProtocolError("a chunked UPLOAD must be the last message of its batch")
-            if is_chunked_upload(msg):
+            if seq > self.last_seq and (msg[0] != _UPLOAD or not is_chunked_upload(msg)):
+                yield (seq, check_message(msg), msg, _RUN, None, 0)  # the hot path: a plain tuple
+                self.last_seq = seq
+            elif is_chunked_upload(msg):
+                spec = check_message(msg)
                 nbytes = chunk_header(msg[2])[2]
                 fresh = seq > self.last_seq
                 if nbytes:
                     self._upload = [seq, nbytes, 0, fresh]
-                yield Incoming(seq, msg, Action.RUN if fresh else Action.DRAIN, nbytes=nbytes)
+                action = Action.RUN if fresh else Action.DRAIN
+                yield Incoming(seq, spec, msg, action, nbytes=nbytes)
                 if fresh and not nbytes:  # no chunks follow
                     self.last_seq = seq
-            elif seq > self.last_seq:
-                yield Incoming(seq, msg, Action.RUN)
-                self.last_seq = seq
             elif msg[0] in WAITED:
-                yield Incoming(seq, msg, Action.RESEND, frames=self._cached_reply(seq))
+                yield Incoming(seq, None, msg, Action.RESEND, frames=self._cached_reply(seq))
             else:
-                yield Incoming(seq, msg, Action.SKIP)
+                yield Incoming(seq, None, msg, Action.SKIP)
             seq += 1
 
     def _stray_chunk(self, frame: bytes) -> None:

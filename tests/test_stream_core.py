@@ -31,11 +31,18 @@ from rgpu_protocol.server_stream import (
     ACK_EVERY_MESSAGES,
     REPLY_CACHE,
     Action,
+    Incoming,
     ServerStream,
     UploadAborted,
 )
 
 ENCODE = p.Encoder().encode
+
+
+def incoming(server: ServerStream, frame: bytes):
+    """The server's messages of a frame as `Incoming` (the hot path yields plain tuples)."""
+    for m in server.messages(frame):
+        yield Incoming(*m)
 
 
 def run_msg(i: int) -> bytes:
@@ -133,7 +140,7 @@ class Link:
                     if keep:  # an upload is applied once its last chunk is in
                         self.applied.append((seq, "upload"))
             else:
-                for m in self.server.messages(frame):
+                for m in incoming(self.server, frame):
                     if m.action is Action.RUN and not self.server.chunks_wanted:
                         self.applied.append((m.seq, m.msg))
                         if m.msg[0] in p.WAITED:
@@ -253,9 +260,9 @@ def test_an_interrupted_send_goes_out_again_under_the_same_numbers():
 def test_the_server_refuses_a_gap_and_skips_or_answers_what_it_applied_before():
     s = ServerStream()
     frame = p.batch_frame(1, [run_msg(1), waited_msg()])
-    assert [m.action for m in s.messages(frame)] == [Action.RUN, Action.RUN]
+    assert [m.action for m in incoming(s, frame)] == [Action.RUN, Action.RUN]
     s.reply(2, p.Status.OK, "first answer")
-    again = list(s.messages(frame))
+    again = list(incoming(s, frame))
     assert [m.action for m in again] == [Action.SKIP, Action.RESEND]
     assert p.parse_reply(again[1].frames[-1])[2] == "first answer"
     with pytest.raises(p.ProtocolError, match="sequence gap: expected 3, got 5"):
@@ -274,16 +281,16 @@ def test_a_message_counts_as_applied_only_once_the_caller_moves_past_it():
 def test_a_lost_reply_that_is_no_longer_kept_is_answered_with_an_error():
     s = ServerStream()
     frames = [waited_msg() for _ in range(REPLY_CACHE + 1)]
-    for m in s.messages(p.batch_frame(1, frames)):
+    for m in incoming(s, p.batch_frame(1, frames)):
         s.reply(m.seq, p.Status.OK, m.seq)
-    first = list(s.messages(p.batch_frame(1, frames[:1])))[0]
+    first = list(incoming(s, p.batch_frame(1, frames[:1])))[0]
     seq, status, value = p.parse_reply(first.frames[-1])
     assert (seq, status) == (1, p.Status.ERROR) and "no longer kept" in value[1]
 
 
 def test_chunks_must_continue_their_upload_and_the_last_one_applies_it():
     s = ServerStream()
-    [m] = s.messages(p.batch_frame(1, [upload_msg(10)]))
+    [m] = incoming(s, p.batch_frame(1, [upload_msg(10)]))
     assert m.action is Action.RUN and m.nbytes == 10 and s.chunks_wanted and s.last_seq == 0
     chunks = Upload(bytes(range(10)), 4).frames(1)
     with pytest.raises(p.ProtocolError, match="does not continue UPLOAD 1"):

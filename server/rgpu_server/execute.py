@@ -49,7 +49,7 @@ def call(s: SessionState, resolved: Any, args: list, kwargs: dict | None) -> Any
 
 
 def run(s: SessionState, seq: int, msg: list) -> None:
-    _, name, args, kwargs, outs = msg[:5]
+    name, args, kwargs, outs = msg[1], msg[2], msg[3], msg[4]
     if len(msg) == 5 and len(outs) == 1 and s.bad is None and s.quota is None:
         # the hot path: one output, nothing to check, no quota
         resolved = _resolved.get(name) if type(name) is str else None

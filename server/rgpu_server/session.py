@@ -26,7 +26,6 @@ from rgpu_protocol import (
     Limits,
     ProtocolError,
     Status,
-    check_message,
     decode_host,
     decode_simple_ext,
     decode_view,
@@ -40,6 +39,7 @@ from .poison import Poison, describe
 from .state import SessionState
 
 log = logging.getLogger("rgpu_server")
+_RUN = Action.RUN
 
 
 class _Marker:
@@ -179,15 +179,13 @@ class Session(SessionState):
                 self.lane.close()
 
     def _run_frame(self, frame: bytes, generation: int) -> None:
-        for incoming in self.stream.messages(frame, self._ext_hook):
-            action = incoming.action
-            if action is Action.RUN:
-                msg = incoming.msg
-                HANDLERS[check_message(msg).kind](self, incoming.seq, msg)
+        for seq, spec, msg, action, resend, _ in self.stream.messages(frame, self._ext_hook):
+            if action is _RUN:
+                HANDLERS[spec.kind](self, seq, msg)
             elif action is Action.DRAIN:  # a replayed chunked upload applied before
                 self.sink = discard_chunks
             elif action is Action.RESEND:  # its reply was lost with the old connection
-                self.deliver(incoming.frames)
+                self.deliver(resend)
             if self.sink is not None:
                 if self.stream.chunks_wanted:
                     self._sink_generation = generation
