@@ -7,9 +7,13 @@ import torch
 import rgpu
 
 
-def test_stats_has_the_documented_counters(dev):
+def test_stats_has_the_documented_counters(dev, server):
     s = rgpu.stats()
     assert set(s) >= {"messages", "waits", "bytes_out", "bytes_in", "frames", "wait_seconds"}
+    rgpu.disconnect()
+    zeros = rgpu.stats()  # without a session: the same counters, all zero
+    assert zeros == dict.fromkeys(s, 0) and set(zeros) == set(s)
+    rgpu.connect(server.url)
 
 
 def test_a_loop_of_ops_then_one_item_is_one_wait(dev, counted):
