@@ -200,9 +200,7 @@ def materialize(w: RemoteTensor, sess) -> None:
 
 def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     """Run an op whose outputs only the data determines: one wait, then outputs stream on."""
-    first_id = _tensor.next_id()
-    for _ in range(MAX_DYNAMIC_OUTPUTS):  # reserve a block of ids for the server to fill in order
-        _tensor.next_id()
+    first_id = _tensor.reserve_ids(MAX_DYNAMIC_OUTPUTS)  # the server fills them in order
 
     def free_unclaimed(status, values) -> None:  # the caller was interrupted before the reply
         if type(values) is list:

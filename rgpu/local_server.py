@@ -24,7 +24,9 @@ START_TIMEOUT = 120.0
 class EmbeddedServer:
     """A running `python -m rgpu_server` child and its URL."""
 
-    def __init__(self, device: str = "auto") -> None:
+    def __init__(self, device: str = "auto", data_dir: str | None = None) -> None:
+        """`data_dir`: the server's --data-dir, named `local` (default: this process's working
+        directory, so rgpu.files reads and writes files next to the notebook or script)."""
         fd, self.log_path = tempfile.mkstemp(prefix="rgpu-server-", suffix=".log")
         self._log = os.fdopen(fd, "wb")
         # a fresh token, handed over on stdin: it never shows in a process list or the environment
@@ -32,6 +34,7 @@ class EmbeddedServer:
         cmd = [
             sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", "0",
             "--device", device, "--announce", "--token-stdin", "--exit-with-stdin",
+            "--data-dir", f"local={data_dir or os.getcwd()}",
             # it gets work at once: importing Inductor in the background would slow that work
             "--no-preload-inductor",
         ]  # fmt: skip

@@ -101,7 +101,11 @@ def server_script(target: SshTarget) -> str:
     """The POSIX sh script that starts rgpu-server on the host: the given command, else
     `rgpu-server` on PATH, else a python that has the module; else it prints RGPU_NO_SERVER and
     exits 127. The token is not in it: it follows on stdin (`--token-stdin`)."""
-    args = "--host 127.0.0.1 --port 0 --announce --token-stdin --exit-with-stdin"
+    # files: the user's home on the host (the server runs as the SSH user, with the same rights)
+    args = (
+        "--host 127.0.0.1 --port 0 --announce --token-stdin --exit-with-stdin"
+        ' --data-dir "home=$HOME"'
+    )
     if target.device:
         args += " --device " + shlex.quote(target.device)
     if target.server_command:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,18 @@ Session = Any  # an rgpu.session.Session (not imported here: the session imports
 DEVICE_TYPE = "rgpu"
 _ids = itertools.count(1)
 next_id = _ids.__next__
+# Blocks of ids the server fills in order (the outputs of a data-dependent op, the tensors of a
+# loaded file) come from a range of their own, far above what next_id will ever reach.
+_blocks = [1 << 62]
+_blocks_lock = threading.Lock()
+
+
+def reserve_ids(n: int) -> int:
+    """The first of `n` consecutive ids no other tensor will get."""
+    with _blocks_lock:
+        first = _blocks[0]
+        _blocks[0] += n
+    return first
 
 # A metadata key: (dtype, shape, stride, storage_offset, storage_nbytes, flags); flags bit 0 is
 # the conjugate bit, bit 1 the negative bit.

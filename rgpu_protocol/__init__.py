@@ -7,6 +7,7 @@ It holds the codec (`codec`), frames (`frames`), messages and the facts both end
 ends of the op stream as state machines (`client_stream`, `server_stream`). See docs/protocol.md.
 """
 
+from . import tree
 from .buffers import byte_view
 from .codec import (
     CODE_TO_DTYPE,
@@ -74,6 +75,7 @@ from .layout import dense_strides, storage_span
 from .messages import (
     DEFAULT_SEED,
     MAX_DYNAMIC_OUTPUTS,
+    MAX_TREE_TENSORS,
     SPECS,
     WAITED,
     Kind,
@@ -87,6 +89,7 @@ from .messages import (
 )
 
 __all__ = [
+    "tree",
     "ABORT_OFFSET",
     "BatchReader",
     "CODE_TO_DTYPE",
@@ -109,6 +112,7 @@ __all__ = [
     "LimitExceeded",
     "Limits",
     "MAX_DYNAMIC_OUTPUTS",
+    "MAX_TREE_TENSORS",
     "NodeRef",
     "NodeTag",
     "PROTOCOL_VERSION",

@@ -18,6 +18,7 @@ from typing import Any
 from .errors import ProtocolError
 
 MAX_DYNAMIC_OUTPUTS = 4096  # values one RUN_DYN may return; the client reserves this many ids
+MAX_TREE_TENSORS = 1 << 20  # tensors one LOAD may make; the client reserves this many ids
 DEFAULT_SEED = 67280421310721  # torch's own default seed: a fresh session acts like a new process
 
 
@@ -37,6 +38,14 @@ class Kind(IntEnum):
     COMPILE = 16
     CALL = 17
     ACK = 18
+    LOAD = 20
+    SAVE = 21
+    LIST_DIR = 22
+    STAT = 23
+    REMOVE = 24
+    READ_BYTES = 25
+    WRITE_BYTES = 26
+    COMMIT = 27
 
 
 class Status(IntEnum):
@@ -84,6 +93,7 @@ _OP = Field("op", ANY)  # an operator name, resolved by the server (a bad one fa
 _ARGS = Field("args", (list,))
 _KWARGS = Field("kwargs", (dict, _NoneType))
 _REF = Field("tensor", ANY)  # a tensor reference (EXT_REF or EXT_VIEW)
+_PATH = Field("path", (str,))
 
 SPECS: dict[int, MessageSpec] = {
     s.kind: s
@@ -113,6 +123,25 @@ SPECS: dict[int, MessageSpec] = {
         _spec(Kind.CALL, False, "run a compiled graph",
               Field("key", (str,)), Field("inputs", (list,)), Field("out_ids", (list,))),
         _spec(Kind.ACK, True, "a no-op whose reply confirms everything before it was applied"),
+        # files in the server's data directories (paths: "[ROOT:]relative/path")
+        _spec(Kind.LOAD, True, "tensors from a file (safetensors, torch, raw, npy) under ids "
+              "from first_id on; reply: [tree of tensor metadata and values, file metadata]",
+              _PATH, Field("format", (str,)), Field("options", (dict, _NoneType)),
+              Field("first_id", (int,))),
+        _spec(Kind.SAVE, True, "a tree of tensors and values into a file (safetensors or "
+              "torch); reply: its size", _PATH, Field("format", (str,)), Field("tree", ANY),
+              Field("metadata", (dict, _NoneType))),
+        _spec(Kind.LIST_DIR, True, "reply: [[name, is_dir, size, mtime], ...]", _PATH),
+        _spec(Kind.STAT, True, "reply: {size, mtime, is_dir, partial, sha256?}", _PATH,
+              Field("hash", (bool,))),
+        _spec(Kind.REMOVE, True, "remove a file or an empty directory; reply: bytes freed", _PATH),
+        _spec(Kind.READ_BYTES, True, "reply: up to nbytes of a file from offset", _PATH,
+              Field("offset", (int,)), Field("nbytes", (int,))),
+        _spec(Kind.WRITE_BYTES, False, "bytes into an upload's partial file at offset", _PATH,
+              Field("offset", (int,)), Field("data", (bytes,))),
+        _spec(Kind.COMMIT, True, "the upload's partial file becomes the file if its size and "
+              "SHA-256 match; reply: its size", _PATH, Field("size", (int,)),
+              Field("sha256", (bytes,))),
     )
 }  # fmt: skip
 

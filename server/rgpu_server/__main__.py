@@ -1,8 +1,9 @@
 """`rgpu-server` / `python -m rgpu_server`: serve this host's GPU (or CPU) to rgpu clients.
 
 Every setting comes from here: flags, and the environment variables that are their defaults
-(RGPU_TOKEN, RGPU_COMPILE_CACHE_DIR) or developer aids (RGPU_SERVER_PROFILE: a cProfile dump
-per session into that directory). Nothing else in the server reads the environment.
+(RGPU_TOKEN, RGPU_COMPILE_CACHE_DIR; Hugging Face's HF_HUB_CACHE / HF_HOME for hub: paths) or
+developer aids (RGPU_SERVER_PROFILE: a cProfile dump per session into that directory). Nothing
+else in the server reads the environment.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import signal
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 
 from rgpu_protocol import DEFAULT_LIMITS
 
 from . import __version__
 from .app import LOOPBACK, RgpuServer, ServerConfig, pick_device
+from .datadirs import DataRoots, parse_root
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--certfile", default=None, help="TLS certificate (PEM): serve wss:// instead of ws://"
     )
     auth.add_argument("--keyfile", default=None, help="TLS private key (PEM) for --certfile")
+    files = p.add_argument_group("files")
+    files.add_argument(
+        "--data-dir",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR[:ro]",
+        help="a directory sessions may read and write files in (rgpu.files, rgpu.hf); repeatable. "
+        "NAME=DIR names the root (else the folder's name), :ro makes it read-only; the first "
+        "one is the default root. Without one, file calls are refused",
+    )
+    files.add_argument(
+        "--max-disk-mb",
+        type=int,
+        default=None,
+        help="bytes of files all sessions together may write, in MiB (default: no limit)",
+    )
     lim = p.add_argument_group("limits")
     p.add_argument(
         "--compile-cache-dir",
@@ -116,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-stdin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _hub_cache() -> Path:
+    """Where Hugging Face keeps downloaded models on this host (its own variables decide)."""
+    explicit = os.environ.get("HF_HUB_CACHE")
+    if explicit:
+        return Path(explicit)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return Path(home) / "hub"
 
 
 def _is_loopback(host: str) -> bool:
@@ -177,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     from .graphs import configure_cache, preload_inductor
 
     configure_cache(args.compile_cache_dir)  # before anything imports Inductor
+    try:
+        roots = [parse_root(spec) for spec in args.data_dir]
+        data = DataRoots(
+            roots,
+            None if args.max_disk_mb is None else args.max_disk_mb << 20,
+            hub=_hub_cache(),
+        )
+    except ValueError as e:
+        print(f"rgpu-server: {e}", file=sys.stderr)
+        return 2
     device = pick_device(args.device)
     if args.preload_inductor:
         preload_inductor(device)
@@ -193,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=args.max_sessions,
         quota=None if args.session_quota_mb is None else args.session_quota_mb << 20,
         profile_dir=os.environ.get("RGPU_SERVER_PROFILE") or None,
+        data=data,
     )
     server = RgpuServer(config)
 

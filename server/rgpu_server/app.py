@@ -42,6 +42,7 @@ from rgpu_protocol.handshake import (
 from rgpu_protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
 
 from . import __version__, kernels
+from .datadirs import DataRoots
 from .lane import LaneProtocol, ServerLane
 from .session import Session
 
@@ -102,6 +103,7 @@ class ServerConfig:
     max_sessions: int = 64
     quota: int | None = None  # bytes of tensor storage one session may hold
     profile_dir: str | None = None  # a cProfile dump per session goes here (developer aid)
+    data: DataRoots | None = None  # --data-dir roots (files.py)
 
 
 class RgpuServer:
@@ -137,7 +139,13 @@ class RgpuServer:
             count, held = s.memory()
             tensors += count
             nbytes += held
-        return {"sessions": len(self.sessions), "tensors": tensors, "bytes": nbytes}
+        data = self.config.data
+        return {
+            "sessions": len(self.sessions),
+            "tensors": tensors,
+            "bytes": nbytes,
+            "data_dirs": data.describe() if data is not None else [],
+        }
 
     def stop(self) -> None:
         """Ask the server to stop (finish in-flight work, then close); safe from any thread."""
@@ -357,6 +365,7 @@ class RgpuServer:
                 profile_dir=self.config.profile_dir,
             )
             session.server_info = self.info
+            session.data = self.config.data
             self.sessions[session.id] = session
         loop = asyncio.get_running_loop()
 

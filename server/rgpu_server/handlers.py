@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from rgpu_protocol import SPECS, Kind
 
-from . import control, execute, graph_messages, transfers
+from . import control, execute, files, graph_messages, transfers
 from .state import SessionState
 
 Handler = Callable[[SessionState, int, list], None]
@@ -29,6 +29,14 @@ HANDLERS: dict[int, Handler] = {
     Kind.ACK: control.ack,
     Kind.COMPILE: graph_messages.compile_graph,
     Kind.CALL: graph_messages.call_graph,
+    Kind.LOAD: files.load,
+    Kind.SAVE: files.save,
+    Kind.LIST_DIR: files.list_dir,
+    Kind.STAT: files.stat_path,
+    Kind.REMOVE: files.remove,
+    Kind.READ_BYTES: files.read_bytes,
+    Kind.WRITE_BYTES: files.write_bytes,
+    Kind.COMMIT: files.commit,
 }
 
 discard_chunks = transfers.DISCARD  # where the chunks of a replayed, already applied upload go

@@ -59,6 +59,8 @@ class SessionState:
         self.max_lane_bytes = quota if quota is not None else DEFAULT_STAGE_LIMIT
         self.lane: ServerLane | None = None
         self.lane_transfers = 0
+        self.data: Any = None  # the server's DataRoots (files.py), when it has --data-dir roots
+        self.written = 0  # bytes of files this session wrote (counted against its quota)
 
     @property
     def last_seq(self) -> int:

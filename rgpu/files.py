@@ -1,0 +1,317 @@
+"""Files on the GPU host: tensors read and written where the data is, without crossing the link.
+
+Paths name files in the server's data directories (`rgpu-server --data-dir`): ``"gpt2/model.
+safetensors"`` in the default root, ``"ckpt:run1/step100.pt"`` in the root named ckpt, and
+``"hub:ORG/NAME/file"`` in the server's Hugging Face cache. The embedded server's default root is
+this process's working directory (named ``local``); a server rgpu starts over SSH has the user's
+home (``home``). Only metadata crosses the link for `load_file`, `load`, `from_file`, `save_file`
+and `save`; `upload` and `download` move whole files, resumably, and skip a file the other side
+already has (same SHA-256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rgpu_protocol import MAX_TREE_TENSORS, Kind, TensorMeta, storage_span, tree
+
+from . import current as _cur
+from .errors import RemoteError, RgpuError
+from .progress import TransferProgress
+from .tensor import RemoteTensor, reserve_ids, wrap_with_id
+
+__all__ = [
+    "FileError",
+    "FileStat",
+    "download",
+    "from_file",
+    "listdir",
+    "load",
+    "load_file",
+    "remove",
+    "save",
+    "save_file",
+    "stat",
+    "upload",
+]
+
+PIECE = 4 << 20  # bytes per WRITE_BYTES / READ_BYTES message
+READS_IN_FLIGHT = 4
+PARTIAL = ".rgpu-partial"
+
+
+class FileError(RgpuError, OSError):
+    """A file request the server refused or could not carry out (the message says why)."""
+
+
+@dataclass(frozen=True)
+class FileStat:
+    size: int
+    mtime: float
+    is_dir: bool
+
+
+def _ask(msg: tuple) -> Any:
+    try:
+        return _cur.current().request(msg)
+    except RemoteError as e:
+        if e.op.startswith("rgpu.files"):
+            raise FileError(e.remote_message) from None
+        raise
+
+
+def _check_device(device: Any) -> None:
+    d = torch.device(device)
+    if d.type != "rgpu" or d.index not in (None, 0):
+        raise ValueError(f"rgpu.files loads onto the rgpu device, not {device!r}")
+
+
+def _tensors(wire: Any, first_id: int) -> Any:
+    """The loaded object, with a RemoteTensor for each tensor the server keeps under its id."""
+    sess = _cur.current()
+    next_id = [first_id]
+
+    def leaf(x: Any) -> Any:
+        if type(x) is not TensorMeta:
+            return x
+        span = storage_span(x.shape, x.stride, x.offset) * x.dtype.itemsize
+        key = (x.dtype, tuple(x.shape), tuple(x.stride), x.offset, span,
+               (1 if x.conj else 0) | (2 if x.neg else 0))  # fmt: skip
+        w = wrap_with_id(sess, key, next_id[0])
+        next_id[0] += 1
+        return w
+
+    return tree.unpack(wire, leaf)
+
+
+def _load(path: str, fmt: str, options: dict | None) -> tuple[Any, dict | None]:
+    first = reserve_ids(MAX_TREE_TENSORS)
+    wire, metadata = _ask((Kind.LOAD, path, fmt, options, first))
+    return _tensors(wire, first), metadata
+
+
+def load_file(path: str, device: Any = "rgpu", *, dtype: torch.dtype | None = None) -> dict:
+    """A safetensors file (or a sharded checkpoint's ``*.safetensors.index.json``) on the server,
+    as a dict of rgpu tensors (floating-point ones cast to `dtype` if given). One wait; no
+    tensor bytes cross the link."""
+    _check_device(device)
+    tensors, _ = _load(path, "safetensors", {"dtype": dtype} if dtype is not None else None)
+    return tensors
+
+
+def safetensors_metadata(path: str) -> dict[str, str] | None:
+    """The metadata a safetensors file on the server carries (its tensors are loaded too)."""
+    _, metadata = _load(path, "safetensors", None)
+    return metadata
+
+
+def _on_rgpu(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and not isinstance(x, RemoteTensor):
+        return x.to("rgpu")  # uploaded once, then written on the server like the rest
+    return x
+
+
+def save_file(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> int:
+    """Write a dict of tensors as a safetensors file on the server; the file's size. CPU tensors
+    are uploaded first; rgpu tensors never leave the server."""
+    if not isinstance(tensors, dict) or not all(type(k) is str for k in tensors):
+        raise TypeError("save_file takes a dict of str names to tensors")
+    wire = tree.pack({k: _on_rgpu(v) for k, v in tensors.items()}, _leaf_out)
+    return _ask((Kind.SAVE, path, "safetensors", wire, metadata))
+
+
+def _leaf_out(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise TypeError(f"rgpu.files saves dense tensors, not {x.layout}")
+        return _on_rgpu(x.detach())
+    if x is None or type(x) in (bool, int, float, complex, str, bytes, torch.dtype):
+        return x
+    if isinstance(x, torch.device):
+        return str(x)
+    raise TypeError(
+        f"rgpu.files.save stores tensors, containers and plain values; {type(x).__name__} is "
+        "none of them (save its state_dict instead)"
+    )
+
+
+def load(path: str, *, map_location: Any = None, weights_only: bool = True) -> Any:
+    """A `torch.save` file on the server, read there under `torch.load(weights_only=True)`
+    rules, with its tensors on rgpu: nested state dicts, optimizer states. One wait."""
+    if not weights_only:
+        raise ValueError("rgpu.files.load reads with weights_only=True only: nothing is unpickled")
+    if map_location is not None:
+        _check_device(map_location)
+    obj, _ = _load(path, "torch", None)
+    return obj
+
+
+def save(obj: Any, path: str) -> int:
+    """`torch.save(obj)` written on the server (tensors stored as CPU tensors, so the file loads
+    anywhere); the file's size. Only tensors, containers and plain values."""
+    return _ask((Kind.SAVE, path, "torch", tree.pack(obj, _leaf_out), None))
+
+
+def from_file(
+    path: str, dtype: torch.dtype | None = None, shape: Any = None, offset: int = 0
+) -> torch.Tensor:
+    """A raw binary file (from `offset`, as `dtype`, 1-D unless `shape` is given) or a ``.npy``
+    file (its own dtype and shape) as an rgpu tensor, read on the server."""
+    if str(path).endswith(".npy"):
+        tensor, _ = _load(path, "npy", None)
+        if dtype is not None and tensor.dtype != dtype:
+            raise ValueError(f"{path} holds {tensor.dtype}, not {dtype}")
+        return tensor if shape is None else tensor.view(shape)
+    if dtype is None:
+        raise TypeError("from_file needs a dtype for a raw file (e.g. torch.uint16 tokens)")
+    options = {"dtype": dtype, "offset": int(offset)}
+    if shape is not None:
+        options["shape"] = [
+            int(s) for s in (shape if isinstance(shape, (list, tuple)) else [shape])
+        ]
+    tensor, _ = _load(path, "raw", options)
+    return tensor
+
+
+def listdir(path: str = "") -> list[str]:
+    """The names in a folder on the server ("" is the default root; "ROOT:" another)."""
+    return [name for name, *_ in _ask((Kind.LIST_DIR, path))]
+
+
+def scandir(path: str = "") -> list[tuple[str, FileStat]]:
+    """(name, FileStat) of each entry of a folder on the server."""
+    return [
+        (n, FileStat(size, mtime, is_dir)) for n, is_dir, size, mtime in _ask((Kind.LIST_DIR, path))
+    ]
+
+
+def stat(path: str) -> FileStat:
+    info = _ask((Kind.STAT, path, False))
+    if info["size"] is None:
+        raise FileError(f"no file {path!r} on the server")
+    return FileStat(info["size"], info["mtime"], info["is_dir"])
+
+
+def remove(path: str) -> None:
+    """Remove a file (or an empty folder) on the server."""
+    _ask((Kind.REMOVE, path))
+
+
+# -- whole files both ways ------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(8 << 20):
+            h.update(piece)
+    return h.digest()
+
+
+def upload(local: str | os.PathLike, remote: str, *, progress: bool = True) -> int:
+    """Copy a local file or folder to the server; the bytes sent. A file the server already
+    has with the same SHA-256 is not sent; an upload cut short (a dropped link that outlived
+    the session, Ctrl-C) continues where it stopped the next time."""
+    local = Path(local)
+    if local.is_dir():
+        sent = 0
+        for file in sorted(p for p in local.rglob("*") if p.is_file()):
+            sent += upload(file, f"{remote.rstrip('/')}/{file.relative_to(local).as_posix()}",
+                           progress=progress)  # fmt: skip
+        return sent
+    if not local.is_file():
+        raise FileError(f"no local file {str(local)!r}")
+    size = local.stat().st_size
+    digest = _sha256(local)
+    info = _ask((Kind.STAT, remote, True))
+    if info["size"] == size and info.get("sha256") == digest:
+        return 0
+    for attempt in range(2):
+        start = info["partial"] if 0 < info["partial"] <= size and attempt == 0 else 0
+        _send_file(local, remote, start, size, progress)
+        try:
+            _ask((Kind.COMMIT, remote, size, digest))
+            return size - start
+        except FileError as e:
+            if attempt or "another hash" not in str(e):
+                raise
+    return size  # not reached
+
+
+def _send_file(local: Path, remote: str, start: int, size: int, progress: bool) -> None:
+    sess = _cur.current()
+    bar = TransferProgress(size - start if progress else 0, f"rgpu upload {local.name}")
+    try:
+        if size == 0:
+            sess.post((Kind.WRITE_BYTES, remote, 0, b""))
+        with open(local, "rb") as f:
+            f.seek(start)
+            offset = start
+            while offset < size:
+                data = f.read(min(PIECE, size - offset))
+                if not data:
+                    raise FileError(f"{local} shrank while it was uploaded")
+                sess.post((Kind.WRITE_BYTES, remote, offset, data), data_bytes=len(data))
+                offset += len(data)
+                bar.update_to(offset - start)
+    finally:
+        bar.close()
+
+
+def download(remote: str, local: str | os.PathLike, *, progress: bool = True) -> int:
+    """Copy a file or folder from the server; the bytes received. A local file with the same
+    SHA-256 is kept; a download cut short continues where it stopped the next time."""
+    local = Path(local)
+    info = _ask((Kind.STAT, remote, True))
+    if info["size"] is None:
+        raise FileError(f"no file {remote!r} on the server")
+    if info["is_dir"]:
+        got = 0
+        for name in listdir(remote):
+            sub = f"{remote.rstrip('/')}/{name}" if remote else name
+            got += download(sub, local / name, progress=progress)
+        return got
+    size, digest = info["size"], info["sha256"]
+    if local.is_file() and local.stat().st_size == size and _sha256(local) == digest:
+        return 0
+    local.parent.mkdir(parents=True, exist_ok=True)
+    partial = local.with_name(local.name + PARTIAL)
+    start = partial.stat().st_size if partial.is_file() and partial.stat().st_size <= size else 0
+    _receive_file(remote, partial, start, size, progress)
+    if _sha256(partial) != digest:
+        partial.unlink()
+        raise FileError(f"{remote!r} changed on the server while it was downloaded; download again")
+    os.replace(partial, local)
+    return size - start
+
+
+def _receive_file(remote: str, partial: Path, start: int, size: int, progress: bool) -> None:
+    sess = _cur.current()
+    bar = TransferProgress(size - start if progress else 0, f"rgpu download {partial.name}")
+    try:
+        with open(partial, "r+b" if start else "wb") as f:
+            f.seek(start)
+            f.truncate(start)
+            offsets = list(range(start, size, PIECE))
+            waiters: list = []
+            done = start
+            for i, offset in enumerate(offsets):
+                waiters.append(sess.request_async((Kind.READ_BYTES, remote, offset, PIECE)))
+                if len(waiters) >= READS_IN_FLIGHT or i == len(offsets) - 1:
+                    for w in waiters:
+                        try:
+                            data = sess.wait_for(w)
+                        except RemoteError as e:
+                            raise FileError(e.remote_message) from None
+                        f.write(data)
+                        done += len(data)
+                        bar.update_to(done - start)
+                    waiters = []
+    finally:
+        bar.close()
