@@ -41,6 +41,7 @@ def reserve_ids(n: int) -> int:
         _blocks[0] += n
     return first
 
+
 # A metadata key: (dtype, shape, stride, storage_offset, storage_nbytes, flags); flags bit 0 is
 # the conjugate bit, bit 1 the negative bit.
 Key = tuple

@@ -75,14 +75,14 @@ class RgpuMagics(Magics, Configurable):
     @argument(
         "action",
         nargs="?",
-        choices=["connect", "disconnect", "status", "stats", "widget"],
+        choices=["connect", "disconnect", "status", "stats", "widget", "ls"],
         help="what to do (see above)",
     )
     @argument(
         "target",
         nargs="?",
         default=None,
-        help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST or local",
+        help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST or local; for ls: a folder",
     )
     @argument(
         "--token", default=None, help="for connect: the server's token (default: $RGPU_TOKEN)"
@@ -110,6 +110,9 @@ class RgpuMagics(Magics, Configurable):
             time. -o returns it as an object (text and HTML reprs; .as_dicts() for pandas).
         %rgpu widget
             Show the live widget again.
+        %rgpu ls [PATH]
+            The files in a folder on the server (its --data-dir roots: "" is the default root,
+            "ROOT:" another, "hub:ORG/NAME" a model in its Hugging Face cache), with sizes.
 
         %%rgpu
             As the first line of a cell: run the cell, then print what it cost in one line,
@@ -127,9 +130,14 @@ class RgpuMagics(Magics, Configurable):
         args = parse_argstring(self.rgpu, line)
         if args.action is None:
             raise UsageError(
-                "%rgpu needs an action: connect, disconnect, status, stats or widget (see %rgpu?)"
+                "%rgpu needs an action: connect, disconnect, status, stats, widget or ls "
+                "(see %rgpu?)"
             )
-        if args.action != "connect" and (args.target is not None or args.token is not None):
+        if args.action == "ls" and args.token is not None:
+            raise UsageError("%rgpu ls takes a folder, not a token")
+        if args.action not in ("connect", "ls") and (
+            args.target is not None or args.token is not None
+        ):
             raise UsageError(f"%rgpu {args.action} takes no URL or token")
         if args.action != "stats" and (args.object or args.clear):
             raise UsageError(f"-o and --clear belong to %rgpu stats, not %rgpu {args.action}")
@@ -202,6 +210,23 @@ class RgpuMagics(Magics, Configurable):
             return table
         print(repr(table))
         return None
+
+    def _do_ls(self, args: Any) -> None:
+        import rgpu.files
+
+        self._session()
+        folder = args.target or ""
+        try:
+            entries = rgpu.files.scandir(folder)
+        except rgpu.RgpuError as e:
+            raise UsageError(f"rgpu: {e}") from None
+        if not entries:
+            print(f"rgpu: {folder or 'the default root'} is empty")
+            return
+        width = max(len(format_bytes(st.size)) for _, st in entries)
+        for name, st in entries:
+            size = "-" if st.is_dir else format_bytes(st.size)
+            print(f"{size.rjust(width)}  {name}{'/' if st.is_dir else ''}")
 
     def _do_widget(self, args: Any) -> None:
         if not self._frontend_shows_widgets():

@@ -403,3 +403,24 @@ def test_status_shows_a_pending_server_error_instead_of_raising_it(connected, ca
         r"^error +aten::gather\.default failed on the rgpu server: .*index 7", out, re.M
     ), out
     torch.rgpu.synchronize()  # reported once
+
+
+def test_ls_lists_a_folder_on_the_server_with_sizes(ip, tmp_path, capsys):
+    from rgpu_test_servers import ServerProcess
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "data.bin").write_bytes(bytes(3000))
+    srv = ServerProcess("--data-dir", str(tmp_path))
+    try:
+        ip.run_line_magic("rgpu", f"connect {srv.url}")
+        capsys.readouterr()
+        ip.run_line_magic("rgpu", "ls")
+        assert capsys.readouterr().out.splitlines() == ["2.9 KiB  data.bin", "      -  model/"]
+        ip.run_line_magic("rgpu", "ls model")
+        assert capsys.readouterr().out.splitlines() == ["2 B  config.json"]
+        with pytest.raises(UsageError, match="rgpu: .*climbs out with '..'"):
+            ip.run_line_magic("rgpu", "ls ../")
+    finally:
+        rgpu.disconnect()
+        srv.stop()

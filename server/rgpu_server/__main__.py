@@ -23,8 +23,9 @@ from pathlib import Path
 from rgpu_protocol import DEFAULT_LIMITS
 
 from . import __version__
-from .app import LOOPBACK, RgpuServer, ServerConfig, pick_device
+from .app import LOOPBACK, RgpuServer, ServerConfig
 from .datadirs import DataRoots, parse_root
+from .devices import pick_device
 
 
 def build_parser() -> argparse.ArgumentParser:

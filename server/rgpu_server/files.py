@@ -323,11 +323,22 @@ def write_bytes(s: SessionState, seq: int, msg: list) -> None:
             f.write(data)
             f.truncate(offset + len(data))
     except (FileRefused, OSError) as e:
+        _drop_partial(s, path)  # over a limit, or a broken write: it could not complete anyway
         if s.first_error is None:
             s.first_error = (
                 "rgpu.files.upload",
                 str(e) if isinstance(e, FileRefused) else describe(e),
             )
+
+
+def _drop_partial(s: SessionState, path: str) -> None:
+    try:
+        partial = partial_path(_roots(s).writable(path), "upload")
+        size = partial.stat().st_size
+        partial.unlink()
+        s.data.release(size)
+    except (FileRefused, OSError):
+        pass
 
 
 def commit(s: SessionState, seq: int, msg: list) -> None:

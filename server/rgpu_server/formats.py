@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -120,12 +121,15 @@ def load_torch(file: Path, device: torch.device) -> Any:
             str(file), map_location=device, weights_only=True, mmap=device.type == "cpu"
         )
     except Exception as e:
-        what = str(e).split("\n")[0]
-        if "Weights only load failed" in str(e) or "Unsupported global" in str(e):
+        text = str(e)
+        what = text.split("\n")[0]
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+            what = f"it holds a {found.group(1)}" if found else "it holds objects"
             raise FileRefused(
-                f"{file.name} holds objects that torch.load(weights_only=True) refuses to unpickle "
-                f"({what}); rgpu loads tensors, containers and plain values only. Save a state_dict "
-                "rather than a whole model."
+                f"{file.name} cannot be read under torch.load(weights_only=True) rules: {what}; "
+                "rgpu loads tensors, containers and plain values only (no unpickling). Save a "
+                "state_dict rather than a whole model."
             ) from None
         raise FileRefused(f"{file.name} is not a torch.save file rgpu can read: {what}") from None
 
