@@ -19,6 +19,7 @@ from .errors import (
     ProtocolViolation,
     RemoteError,
     RgpuError,
+    SessionInUse,
     SessionLost,
 )
 
@@ -32,6 +33,12 @@ __all__ = [
     "compile_backend",
     "settings",
     "Event",
+    "keep",
+    "kept",
+    "forget",
+    "sessions",
+    "drop_session",
+    "SessionInUse",
     "RemoteTensor",
     "RgpuError",
     "ConfigError",
@@ -49,6 +56,7 @@ from .current import connect, disconnect
 from .current import current as _current
 from .current import get as _get_session
 from .device_module import Event
+from .keeping import drop_session, forget, keep, kept, sessions
 from .progress import settings
 from .session import Counters
 from .tensor import RemoteTensor

@@ -95,6 +95,8 @@ FIELDS: dict[str, Setting] = {
                       "host:port, ssh://... or local (an embedded server); unset: local"),
     "token": Setting("RGPU_TOKEN", _text, "the server's token (`rgpu.connect(token=...)` and a "
                      "?token= in the URL take precedence)"),
+    "session": Setting("RGPU_SESSION", _text, "a session name: connect on first use to this "
+                       "named session, which outlives the process (rgpu.keep / rgpu.kept)"),
     "local_device": Setting("RGPU_LOCAL_DEVICE", _text, "--device of an embedded server: auto, "
                             "cpu, cuda, cuda:N, mps"),
     "ca_bundle": Setting("RGPU_CA_BUNDLE", _text, "a CA certificate file trusted for wss:// "
@@ -133,6 +135,7 @@ FIELDS: dict[str, Setting] = {
 class Config:
     server: str | None = None
     token: str | None = None
+    session: str | None = None
     local_device: str | None = None  # None: auto
     ca_bundle: str | None = None
     proxy: str | None = None

@@ -38,7 +38,7 @@ from rgpu_protocol import (
 
 from ._version import __version__
 from .config import DEFAULT, Config
-from .errors import AuthError, ConnectError, SessionLost
+from .errors import AuthError, ConnectError, SessionInUse, SessionLost
 
 HANDSHAKE_TIMEOUT = 30.0
 
@@ -112,6 +112,8 @@ class Connection:
         open_timeout: float = 10.0,
         config: Config = DEFAULT,
         resume: bytes | None = None,
+        name: str | None = None,
+        takeover: bool = False,
     ) -> None:
         self.url = url
         try:
@@ -142,7 +144,9 @@ class Connection:
             ) from None
         try:
             hello_sent = time.perf_counter()
-            hello = Hello(PROTOCOL_VERSION, torch.__version__, f"rgpu {__version__}", resume)
+            hello = Hello(
+                PROTOCOL_VERSION, torch.__version__, f"rgpu {__version__}", resume, name, takeover
+            )
             self.ws.send(hello.frame())
             first = self.ws.recv(timeout=HANDSHAKE_TIMEOUT)
             if isinstance(first, str):
@@ -159,6 +163,8 @@ class Connection:
             self.ws.close()
             if welcome.code == RefusalCode.SESSION_LOST.value:
                 raise SessionLost(welcome.message)
+            if welcome.code == RefusalCode.IN_USE.value:
+                raise SessionInUse(welcome.message)
             raise ConnectError(f"the rgpu server at {url} refused this client: {welcome.message}")
         if resume is not None and not welcome.resumed:
             self.ws.close(CloseCode.BYE)

@@ -49,6 +49,8 @@ def connect(
     token: str | None = None,
     timeout: float = 10.0,
     ssh_options: Mapping[str, Any] | None = None,
+    session: str | None = None,
+    takeover: bool = False,
 ) -> Session:
     """Connect to an rgpu server and make it the current session.
 
@@ -59,48 +61,61 @@ def connect(
     used, and without that, ``"local"``.
     `token` defaults to ``RGPU_TOKEN``. Connecting again ends the previous session, and with it
     every rgpu tensor it held.
+
+    `session` (default ``RGPU_SESSION``) opens a *named* session, or re-opens one a client of the
+    same token left (a kernel restart, a killed process): it outlives this process on the server
+    (``--detached-ttl``, a day by default), and what `rgpu.keep` marked in it is found again with
+    `rgpu.kept`. A named session another live client holds is refused (`rgpu.SessionInUse`)
+    unless `takeover` is true; that client then gets `SessionLost`.
     """
     global _current
     with _lock:
         config = Config.from_env()
+        name = session if session is not None else config.session
         target = url or config.server or "local"
+        if name is not None and _current is not None and _current.name == name:
+            _current.close()  # this process holds it: leave it, then open it again below
         if token is None and "token=" not in target:  # a pasted ?token= URL beats the env
             token = config.token
         if target == "local":
             server = EmbeddedServer(device=config.local_device or "auto")
             try:
-                session = Session(
+                opened = Session(
                     server.url,
                     token=server.token,
                     open_timeout=timeout,
                     config=config,
                     local_process=server,
+                    name=name,
+                    takeover=takeover,
                 )
             except BaseException:
                 server.stop()
                 raise
             announce(
-                f"started an embedded rgpu server at {server.url} on {session.device} "
-                f"({session.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
+                f"started an embedded rgpu server at {server.url} on {opened.device} "
+                f"({opened.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
             )
         elif target.lower().startswith("ssh://"):
-            session = ssh.open_session(
-                target, token=token, timeout=timeout, options=ssh_options, config=config
-            )
-            if session.transport.server is not None:
-                announce(f"connected over SSH: {session.transport.describe()}")
+            opened = ssh.open_session(
+                target, token=token, timeout=timeout, options=ssh_options, config=config,
+                name=name, takeover=takeover,
+            )  # fmt: skip
+            if opened.transport.server is not None:
+                announce(f"connected over SSH: {opened.transport.describe()}")
         else:
-            session = Session(
-                _normalise_url(target), token=token, open_timeout=timeout, config=config
-            )
-        if _pending_seed is not None:
-            session.post((Kind.SEED, _pending_seed))
+            opened = Session(
+                _normalise_url(target), token=token, open_timeout=timeout, config=config,
+                name=name, takeover=takeover,
+            )  # fmt: skip
+        if _pending_seed is not None and not opened.welcome.attached:
+            opened.post((Kind.SEED, _pending_seed))  # a re-opened session keeps its generator
         # the old session ends only now: a mistyped URL does not cost the user their tensors
         disconnect()
-        _current = session
+        _current = opened
         progress.use_config(config)
         _warm_up()
-        return session
+        return opened
 
 
 def _warm_up() -> None:
@@ -115,13 +130,14 @@ def _warm_up() -> None:
         pass
 
 
-def disconnect() -> None:
-    """End the current session (its rgpu tensors become unusable) and stop an embedded server."""
+def disconnect(drop: bool = False) -> None:
+    """End the current session (its rgpu tensors become unusable) and stop an embedded server.
+    A named session is left on the server for a later client, unless `drop`."""
     global _current
     with _lock:
         session, _current = _current, None
         if session is not None:
-            session.close()
+            session.close(drop=drop)
 
 
 def current() -> Session:

@@ -41,3 +41,7 @@ class SessionLost(RgpuError):
 
 class ProtocolViolation(RgpuError):
     """The server said it could not understand what this client sent (a bug; please report it)."""
+
+
+class SessionInUse(ConnectError):
+    """The named session is held by another live client (connect with takeover=True to take it)."""

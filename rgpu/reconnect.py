@@ -39,6 +39,12 @@ class ReconnectMixin:
         if code == CloseCode.PROTOCOL_ERROR:
             self.mark_broken(ProtocolViolation(f"the rgpu server closed the connection: {exc}"))
             return
+        if code in (CloseCode.TAKEN_OVER, CloseCode.DROPPED):
+            reason = getattr(getattr(exc, "rcvd", None), "reason", "") or "it ended"
+            self.mark_broken(SessionLost(
+                f"the named session {self.name!r} is no longer this client's: {reason}. Its "
+                "tensors here are unusable; rgpu.connect(url, session=...) to open it again."))  # fmt: skip
+            return
         with self._state_lock:  # not self.lock: the main thread may hold it, waiting on us
             if self.reconnecting or self.closed:
                 return

@@ -106,10 +106,15 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         config: Config | None = None,
         local_process: Any = None,
         transport: Any = None,
+        name: str | None = None,
+        takeover: bool = False,
     ) -> None:
         """`transport`, when given, carries the connection (an SSH tunnel): before every
         reconnect, `transport.ensure()` re-opens it if it died and returns the URL to use; the
-        session calls `transport.stop()` when it ends."""
+        session calls `transport.stop()` when it ends. `name` opens (or re-opens) a named
+        session, which outlives this process; `takeover` takes it from a client holding it."""
+        self.name = name
+        self._takeover = takeover
         self.config = config = config if config is not None else Config.from_env()
         self.transport = transport
         self.local_process = local_process
@@ -175,6 +180,8 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
             open_timeout=self.open_timeout,
             config=self.config,
             resume=self.session_bytes if resume else None,
+            name=self.name,
+            takeover=self._takeover and not resume,
         )
         mine.append(conn)
         self.link.connected(conn)
@@ -337,8 +344,14 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
     def info(self) -> dict:
         return self.request((Kind.INFO,))
 
-    def close(self) -> None:
-        """End the session: the server frees its tensors now (no resume)."""
+    @property
+    def kept_names(self) -> tuple[str, ...]:
+        """What the named session held for this client when it re-opened it (rgpu.kept)."""
+        return self.welcome.kept
+
+    def close(self, drop: bool = False) -> None:
+        """End the session: the server frees its tensors now (no resume). A named session is
+        only left, for a later client, unless `drop`."""
         if self.closed:
             return
         with self.lock:
@@ -350,7 +363,7 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
             self.closed = True
         self._quiet_kick.set()
         self.writer.close()
-        self.conn.close(CloseCode.BYE)
+        self.conn.close(CloseCode.KEEP if self.name is not None and not drop else CloseCode.BYE)
         self.link.close()
         for w in self.stream.waiters():
             w.event.set()

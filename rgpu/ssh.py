@@ -305,6 +305,8 @@ def open_session(
     timeout: float = 10.0,
     options: Mapping[str, Any] | None = None,
     config: Config = DEFAULT,
+    name: str | None = None,
+    takeover: bool = False,
 ) -> Session:
     """A `Session` through a new SSH tunnel; the tunnel is its transport and closes with it."""
     options = {"ssh_command": config.ssh_command, **dict(options or {})}
@@ -312,8 +314,9 @@ def open_session(
     tunnel.start()
     try:
         return Session(
-            tunnel.url, token=tunnel.token, open_timeout=timeout, config=config, transport=tunnel
-        )
+            tunnel.url, token=tunnel.token, open_timeout=timeout, config=config, transport=tunnel,
+            name=name, takeover=takeover,
+        )  # fmt: skip
     except AuthError as e:
         tunnel.stop()
         if tunnel.existing:

@@ -75,18 +75,21 @@ class RgpuMagics(Magics, Configurable):
     @argument(
         "action",
         nargs="?",
-        choices=["connect", "disconnect", "status", "stats", "widget", "ls"],
+        choices=["connect", "disconnect", "status", "stats", "widget", "ls", "sessions", "drop"],
         help="what to do (see above)",
     )
     @argument(
         "target",
         nargs="?",
         default=None,
-        help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST or local; for ls: a folder",
+        help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST or local; for ls: a "
+        "folder; for drop: a session name",
     )
     @argument(
         "--token", default=None, help="for connect: the server's token (default: $RGPU_TOKEN)"
     )
+    @argument("--session", default=None, help="for connect: open (or re-open) a named session")
+    @argument("--takeover", action="store_true", help="for connect: take the named session over")
     @argument(
         "-o", "--object", action="store_true", help="for stats: return the table as an object"
     )
@@ -110,6 +113,14 @@ class RgpuMagics(Magics, Configurable):
             time. -o returns it as an object (text and HTML reprs; .as_dicts() for pandas).
         %rgpu widget
             Show the live widget again.
+        %rgpu connect URL --session NAME [--takeover]
+            Open (or re-open, after a kernel restart) a named session: it stays on the server
+            when this kernel goes (--detached-ttl), and rgpu.kept(NAME) finds what
+            rgpu.keep(NAME, obj) marked in it. --takeover takes it from a client holding it.
+        %rgpu sessions
+            This token's sessions on the server: live or detached, memory, what they keep.
+        %rgpu drop NAME
+            End a named session now (its tensors and kept objects are freed).
         %rgpu ls [PATH]
             The files in a folder on the server (its --data-dir roots: "" is the default root,
             "ROOT:" another, "hub:ORG/NAME" a model in its Hugging Face cache), with sizes.
@@ -133,9 +144,13 @@ class RgpuMagics(Magics, Configurable):
                 "%rgpu needs an action: connect, disconnect, status, stats, widget or ls "
                 "(see %rgpu?)"
             )
-        if args.action == "ls" and args.token is not None:
-            raise UsageError("%rgpu ls takes a folder, not a token")
-        if args.action not in ("connect", "ls") and (
+        if args.action != "connect" and (args.session is not None or args.takeover):
+            raise UsageError("--session and --takeover belong to %rgpu connect")
+        if args.action in ("ls", "drop") and args.token is not None:
+            raise UsageError(f"%rgpu {args.action} takes no token")
+        if args.action == "drop" and not args.target:
+            raise UsageError("%rgpu drop needs a session name")
+        if args.action not in ("connect", "ls", "drop") and (
             args.target is not None or args.token is not None
         ):
             raise UsageError(f"%rgpu {args.action} takes no URL or token")
@@ -155,13 +170,25 @@ class RgpuMagics(Magics, Configurable):
                     f"({target})"
                 )
         try:
-            session = rgpu.connect(args.target, token=args.token)
+            session = rgpu.connect(
+                args.target, token=args.token, session=args.session, takeover=args.takeover
+            )
             rtt = session.ping()
         except rgpu.RgpuError as e:
             raise UsageError(f"rgpu: {e}") from None
         print(
             f"rgpu: connected to {session.url}, {session.device} ({session.device_name}), RTT {format_seconds(rtt)}"
         )
+        if session.name is not None:
+            kept = session.kept_names if session.welcome.attached else ()
+            print(
+                f"rgpu: session {session.name!r} "
+                + (
+                    f"re-opened; it keeps: {', '.join(kept)}"
+                    if kept
+                    else "(named: it outlives this kernel)"
+                )
+            )
         if self._widget is not None:
             self._widget.rtt = rtt
         if self.widget and self._frontend_shows_widgets():
@@ -210,6 +237,29 @@ class RgpuMagics(Magics, Configurable):
             return table
         print(repr(table))
         return None
+
+    def _do_sessions(self, args: Any) -> None:
+        self._session()
+        try:
+            entries = rgpu.sessions()
+        except rgpu.RgpuError as e:
+            raise UsageError(f"rgpu: {e}") from None
+        for e in entries:
+            left = "" if e.seconds_left is None else f", {format_seconds(e.seconds_left)} left"
+            mark = "* " if e.current else "  "
+            print(
+                f"{mark}{e.name or '(unnamed ' + e.session + ')'}: {e.state} since {e.since}, "
+                f"{plural(e.tensors, 'tensor')}, {format_bytes(e.bytes)}, "
+                f"kept: {', '.join(e.kept) or 'nothing'}{left}"
+            )
+
+    def _do_drop(self, args: Any) -> None:
+        self._session()
+        try:
+            rgpu.drop_session(args.target)
+        except rgpu.RgpuError as e:
+            raise UsageError(f"rgpu: {e}") from None
+        print(f"rgpu: dropped the session {args.target!r}")
 
     def _do_ls(self, args: Any) -> None:
         import rgpu.files

@@ -54,7 +54,13 @@ def session_view() -> dict[str, str]:
     s = rgpu.current_session()
     if s is None:
         return {"url": "", "state": "not connected", "device": ""}
-    return {"url": s.url, "state": s.state, "device": f"{s.device} ({s.device_name})"}
+    view = {"url": s.url, "state": s.state, "device": f"{s.device} ({s.device_name})"}
+    if getattr(s, "name", None):
+        view["session"] = s.name
+        kept = s.welcome.kept if s.welcome.attached else ()
+        if kept:  # re-opened after a restart: what it offers
+            view["kept"] = ", ".join(kept)
+    return view
 
 
 class RgpuWidget(widgets.VBox):
@@ -159,6 +165,8 @@ class RgpuWidget(widgets.VBox):
             head.append(f'<span class="rgpu-server">{html.escape(view["url"])}</span>')
         if view["device"]:
             head.append(html.escape(view["device"]))
+        if view.get("session"):
+            head.append(f'session <span class="rgpu-session">{html.escape(view["session"])}</span>')
         if self.rtt is not None and state == "connected":
             head.append(f"RTT {format_seconds(self.rtt)}")
         if live is not None:
@@ -175,6 +183,11 @@ class RgpuWidget(widgets.VBox):
                 f'<span class="rgpu-out">{format_bytes(cost.bytes_out)}</span> out · '
                 f'<span class="rgpu-in">{format_bytes(cost.bytes_in)}</span> in · '
                 f'<span class="rgpu-elapsed">{format_seconds(cost.wall_seconds)}</span>'
+            )
+        if view.get("kept"):
+            line = (
+                f'<span class="rgpu-kept">kept: {html.escape(view["kept"])} '
+                "(rgpu.kept(NAME) to use)</span><br>" + line
             )
         return f'<div class="rgpu-w rgpu-live">rgpu {" · ".join(head)}<br>{line}</div>'
 

@@ -50,6 +50,9 @@ class CloseCode(IntEnum):
     VERSION_MISMATCH = 4001
     BAD_HELLO = 4003
     SUPERSEDED = 4004  # the session resumed on a newer connection
+    KEEP = 4006  # the client leaves its named session for a later client (not an end)
+    TAKEN_OVER = 4007  # another client took this named session over (takeover=True)
+    DROPPED = 4008  # the named session was dropped (rgpu.drop_session) or expired
     GOING_AWAY = 1001  # the server is shutting down
     BYE = 1000  # the client ended its session on purpose
 

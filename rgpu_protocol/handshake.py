@@ -34,6 +34,8 @@ class Hello:
     torch: str
     client: str = "?"
     session: bytes | None = None  # the id of a session to resume
+    name: str | None = None  # a named session to open, or re-open after its client went away
+    takeover: bool = False  # take the named session over from a client that still holds it
 
     def frame(self) -> bytes:
         return hello_frame(asdict(self))
@@ -46,6 +48,8 @@ class Hello:
             torch=str(d.get("torch", "?")),
             client=str(d.get("client", "?")),
             session=_typed(d, "session", (bytes,), None),
+            name=_typed(d, "name", (str,), None),
+            takeover=bool(d.get("takeover", False)),
         )
 
 
@@ -73,10 +77,14 @@ class Welcome:
     compress: tuple[str, ...] = ()  # BATCH_Z codecs the server understands
     lane: LaneOffer | None = None
     protocol: int = PROTOCOL_VERSION
+    name: str | None = None  # a named session's name
+    attached: bool = False  # a named session re-opened: only its kept objects are left
+    kept: tuple[str, ...] = ()  # the names `rgpu.keep` gave objects in this session
 
     def frame(self) -> bytes:
         d = asdict(self)
         d["compress"] = list(self.compress)
+        d["kept"] = list(self.kept)
         return welcome_frame(d)
 
     @classmethod
@@ -102,6 +110,9 @@ class Welcome:
             compress=tuple(str(c) for c in compress) if type(compress) is list else (),
             lane=offer,
             protocol=_typed(d, "protocol", (int,), PROTOCOL_VERSION),
+            name=_typed(d, "name", (str,), None),
+            attached=bool(d.get("attached", False)),
+            kept=tuple(str(k) for k in kept) if type(kept := d.get("kept")) is list else (),
         )
 
 
@@ -112,6 +123,8 @@ class RefusalCode(str, Enum):
     CLOSING = "closing"  # the server is shutting down
     SESSION_LOST = "session-lost"  # the session to resume is gone
     FULL = "full"  # --max-sessions reached
+    IN_USE = "session-in-use"  # a named session another client holds
+    BAD_NAME = "bad-name"  # not a session name
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,32 @@ def session_lost_message(url: str) -> str:
         f"the rgpu server at {url} no longer has this session (it restarted, or the session "
         "expired while the connection was down): every rgpu tensor of the session is gone. "
         "Call rgpu.connect() to start a new session."
+    )
+
+
+def refuse_in_use(name: str, since: str) -> Refusal:
+    return Refusal(
+        RefusalCode.IN_USE.value,
+        f"the session {name!r} is in use by another client (connected {since}); close it there, "
+        f"or connect with takeover=True (%rgpu connect ... --session {name} --takeover) to take "
+        "it over (that client then gets SessionLost)",
+    )
+
+
+NAME_RULE = "1 to 64 letters, digits, '.', '_' or '-'"
+
+
+def valid_session_name(name: str) -> bool:
+    return (
+        0 < len(name) <= 64
+        and name.replace("-", "").replace("_", "").replace(".", "").isalnum()
+        and name.isascii()
+    )
+
+
+def refuse_bad_name(name: str) -> Refusal:
+    return Refusal(
+        RefusalCode.BAD_NAME.value, f"{name!r} is not a session name: use {NAME_RULE}"
     )
 
 

@@ -46,6 +46,11 @@ class Kind(IntEnum):
     READ_BYTES = 25
     WRITE_BYTES = 26
     COMMIT = 27
+    KEEP = 28
+    KEPT = 29
+    FORGET = 30
+    SESSIONS = 31
+    DROP_SESSION = 32
 
 
 class Status(IntEnum):
@@ -142,6 +147,18 @@ SPECS: dict[int, MessageSpec] = {
         _spec(Kind.COMMIT, True, "the upload's partial file becomes the file if its size and "
               "SHA-256 match; reply: its size", _PATH, Field("size", (int,)),
               Field("sha256", (bytes,))),
+        # named sessions: objects kept for a later client, and this token's sessions
+        _spec(Kind.KEEP, True, "keep a tree of tensor references and values under a name, to "
+              "be found again by a later client (durable: also on the server's disk); reply: "
+              "bytes it holds", Field("name", (str,)), Field("tree", ANY),
+              Field("durable", (bool,))),
+        _spec(Kind.KEPT, True, "a kept tree, its tensors under ids from first_id on (reply: "
+              "the tree with tensor metadata); or, for a nil name, the kept names",
+              Field("name", (str, _NoneType)), Field("first_id", (int,))),
+        _spec(Kind.FORGET, True, "drop a kept name (and its copy on disk)", Field("name", (str,))),
+        _spec(Kind.SESSIONS, True, "reply: this token's sessions, as maps"),
+        _spec(Kind.DROP_SESSION, True, "end a named session of this token, live or detached",
+              Field("name", (str,))),
     )
 }  # fmt: skip
 

@@ -93,3 +93,17 @@ def leaves(wire: Any) -> list:
 
     walk(wire)
     return found
+
+
+def map_leaves(wire: Any, fn: Callable[[Any], Any]) -> Any:
+    """A packed tree with every leaf replaced by `fn(leaf)`, in order (containers as they are)."""
+
+    def walk(x: Any) -> Any:
+        if type(x) is list and len(x) == 2 and type(x[0]) is str and x[0] in _TAGS:
+            tag, items = x
+            if tag == DICT:
+                return [tag, [items[i] if i % 2 == 0 else walk(v) for i, v in enumerate(items)]]
+            return [tag, [walk(y) for y in items]]
+        return fn(x)
+
+    return walk(wire)

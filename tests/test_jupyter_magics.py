@@ -424,3 +424,32 @@ def test_ls_lists_a_folder_on_the_server_with_sizes(ip, tmp_path, capsys):
     finally:
         rgpu.disconnect()
         srv.stop()
+
+
+def test_named_sessions_from_the_notebook(ip, capsys):
+    from rgpu_test_servers import ServerProcess
+
+    srv = ServerProcess()
+    try:
+        ip.run_line_magic("rgpu", f"connect {srv.url} --session nb1")
+        out = capsys.readouterr().out.splitlines()
+        assert out[1] == "rgpu: session 'nb1' (named: it outlives this kernel)"
+        ip.run_cell("_ = rgpu.keep('w', torch.arange(3.0, device='rgpu'))")
+        capsys.readouterr()
+        ip.run_line_magic("rgpu", f"connect {srv.url} --session nb1")  # as after a restart
+        assert capsys.readouterr().out.splitlines()[1] == "rgpu: session 'nb1' re-opened; it keeps: w"
+        ip.run_line_magic("rgpu", f"connect {srv.url} --session nb2")
+        capsys.readouterr()
+        ip.run_line_magic("rgpu", "sessions")
+        listing = capsys.readouterr().out.splitlines()
+        assert [line.split(":")[0] for line in listing] == ["  nb1", "* nb2"]
+        assert "detached since" in listing[0] and "kept: w" in listing[0]
+        ip.run_line_magic("rgpu", "drop nb1")
+        assert capsys.readouterr().out.strip() == "rgpu: dropped the session 'nb1'"
+        ip.run_line_magic("rgpu", "sessions")
+        assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == ["* nb2"]
+        with pytest.raises(UsageError, match="belong to %rgpu connect"):
+            ip.run_line_magic("rgpu", "status --session x")
+    finally:
+        rgpu.disconnect(drop=True)
+        srv.stop()

@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     auth = p.add_argument_group("security")
     auth.add_argument(
         "--token",
+        action="append",
         default=None,
-        help="the token clients must send (default: RGPU_TOKEN, else a random one)",
+        help="the token clients must send (default: RGPU_TOKEN, else a random one); give it "
+        "again for more users: each token sees and re-opens only its own named sessions",
     )
     auth.add_argument(
         "--token-file",
@@ -92,6 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="bytes of files all sessions together may write, in MiB (default: no limit)",
+    )
+    named = p.add_argument_group("named sessions (rgpu.connect(url, session=NAME))")
+    named.add_argument(
+        "--detached-ttl",
+        type=float,
+        default=86400.0,
+        help="seconds a named session outlives its client, with what it keeps (default 86400: "
+        "a day, so a notebook left overnight finds its GPU state in the morning)",
+    )
+    named.add_argument(
+        "--max-detached-mb",
+        type=int,
+        default=None,
+        help="tensor memory all detached named sessions may hold together, in MiB; past it, the "
+        "longest-detached are freed, and a keep that would pass it is refused (default: no limit)",
+    )
+    named.add_argument(
+        "--state-dir",
+        default=None,
+        help="where rgpu.keep(..., durable=True) writes kept objects, so they survive a server "
+        "restart (default: none; durable keeps are refused)",
     )
     lim = p.add_argument_group("limits")
     p.add_argument(
@@ -201,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.token_stdin:
         token = sys.stdin.readline().strip() or None
     else:
-        token = args.token or os.environ.get("RGPU_TOKEN") or None
+        token = (args.token or [None])[0] or os.environ.get("RGPU_TOKEN") or None
     generated = token is None and not args.no_token
     if generated:
         token = secrets.token_urlsafe(32)
@@ -235,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         quota=None if args.session_quota_mb is None else args.session_quota_mb << 20,
         profile_dir=os.environ.get("RGPU_SERVER_PROFILE") or None,
         data=data,
+        tokens=tuple(args.token[1:]) if args.token and token is not None else (),
+        detached_ttl=args.detached_ttl,
+        max_detached=None if args.max_detached_mb is None else args.max_detached_mb << 20,
+        state_dir=args.state_dir,
     )
     server = RgpuServer(config)
 

@@ -8,13 +8,14 @@ link drops reconnects, resumes the session by id and replays what the server had
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import http
 import logging
-import secrets
 import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from websockets.asyncio.server import ServerConnection, serve
@@ -33,16 +34,16 @@ from rgpu_protocol import (
 )
 from rgpu_protocol.handshake import (
     refuse_closing,
-    refuse_full,
     refuse_protocol,
-    refuse_session_lost,
 )
 from rgpu_protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
 
 from . import __version__
 from .datadirs import DataRoots
 from .devices import device_name
+from .durable import DurableStore
 from .lane import LaneProtocol, ServerLane
+from .registry import SessionRegistry
 from .session import Session
 
 log = logging.getLogger("rgpu_server")
@@ -52,6 +53,11 @@ MAX_BACKLOG = 256 << 20  # bytes received but not yet executed, per session, bef
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def owner_of(token: str) -> str:
+    """Who a token is, as sessions and the state directory record it (never the token)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -59,6 +65,10 @@ class ServerConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     limits: Limits = DEFAULT_LIMITS
     token: str | None = None  # None: no authentication (loopback only)
+    tokens: tuple[str, ...] = ()  # more tokens: each is its own owner of sessions
+    detached_ttl: float = 86400.0  # seconds a named session outlives its client
+    max_detached: int | None = None  # bytes detached named sessions may hold together
+    state_dir: str | None = None  # durable kept objects (durable.py)
     certfile: str | None = None
     keyfile: str | None = None
     grace: float = 120.0  # seconds a session waits for its client to reconnect
@@ -73,14 +83,23 @@ class RgpuServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.sessions: dict[bytes, Session] = {}
+        self.registry = SessionRegistry(
+            self._make_session,
+            grace=config.grace,
+            detached_ttl=config.detached_ttl,
+            max_sessions=config.max_sessions,
+            max_detached=config.max_detached,
+        )
+        self.store = DurableStore(Path(config.state_dir)) if config.state_dir else None
+        if self.store is not None:
+            restored = self.registry.restore(self.store)
+            if restored:
+                log.info("restored %d named session(s) from %s", restored, config.state_dir)
         self.port: int | None = None
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: set[ServerConnection] = set()
         self._closing = False
-        self._expired: list[Session] = []  # stopped sessions whose worker threads are ending
-        self._owner: dict[bytes, ServerConnection] = {}  # session id -> the connection it runs on
         self._lanes: set[ServerLane] = set()
 
     @property
@@ -97,13 +116,13 @@ class RgpuServer:
     def info(self) -> dict:
         """Server-wide counts (for INFO): sessions, and the tensors and bytes they hold."""
         tensors = nbytes = 0
-        for s in list(self.sessions.values()):
+        for s in self.registry.sessions():
             count, held = s.memory()
             tensors += count
             nbytes += held
         data = self.config.data
         return {
-            "sessions": len(self.sessions),
+            "sessions": len(self.registry),
             "tensors": tensors,
             "bytes": nbytes,
             "data_dirs": data.describe() if data is not None else [],
@@ -130,12 +149,15 @@ class RgpuServer:
             return connection.respond(
                 http.HTTPStatus.FORBIDDEN, "rgpu-server: browsers may not connect\n"
             )
-        token = self.config.token
-        if token is None:
+        if self.config.token is None:
             return self._authorize_lane(connection, request)
         header = request.headers.get("Authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        matched = None
+        for token in (self.config.token, *self.config.tokens):
+            if hmac.compare_digest(given.encode(), token.encode()):
+                matched = token
+        if matched is None:
             peer = (
                 "{}:{}".format(*connection.remote_address[:2]) if connection.remote_address else "?"
             )
@@ -145,6 +167,7 @@ class RgpuServer:
                 "rgpu-server: missing or wrong token. Pass it with rgpu.connect(url, token=...), "
                 "RGPU_TOKEN, or ?token=... in the URL.\n",
             )
+        connection.rgpu_owner = owner_of(matched)  # whose sessions this connection may reach
         return self._authorize_lane(connection, request)
 
     def _authorize_lane(self, connection: ServerConnection, request):
@@ -152,7 +175,9 @@ class RgpuServer:
         if request.path.split("?")[0] != LANE_PATH:
             return None
         try:
-            session = self.sessions.get(bytes.fromhex(request.headers.get(SESSION_HEADER, "")))
+            session = self.registry.by_id.get(
+                bytes.fromhex(request.headers.get(SESSION_HEADER, ""))
+            )
             key = bytes.fromhex(request.headers.get(KEY_HEADER, ""))
         except ValueError:
             session, key = None, b""
@@ -165,6 +190,10 @@ class RgpuServer:
 
     async def run(self, on_ready=None) -> None:
         self._loop = asyncio.get_running_loop()
+        self.registry.loop = self._loop
+        self.registry.close = lambda ws, code, reason: asyncio.ensure_future(
+            ws.close(code, reason[:120])
+        )
         self._stop = asyncio.Event()
         limits = self.config.limits
         reaper = asyncio.create_task(self._reap())
@@ -191,18 +220,18 @@ class RgpuServer:
             await self._stop.wait()
             await self._shutdown(server)
         reaper.cancel()
-        for s in self._expired:
+        for s in self.registry.expired:
             s.join(10)
 
     async def _shutdown(self, server) -> None:
         """Stop taking sessions, let in-flight work finish, then close with "going away"."""
         self._closing = True
         log.info(
-            "rgpu-server stopping: finishing in-flight work of %d session(s)", len(self.sessions)
+            "rgpu-server stopping: finishing in-flight work of %d session(s)", len(self.registry)
         )
         server.close(close_connections=False)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(not s.idle() for s in self.sessions.values()):
+        while time.monotonic() < deadline and any(not s.idle() for s in self.registry.sessions()):
             await asyncio.sleep(0.05)
         for lane in list(self._lanes):
             lane.close()
@@ -210,7 +239,7 @@ class RgpuServer:
             await ws.close(
                 CloseCode.GOING_AWAY, "rgpu-server is shutting down; its tensors are gone"
             )
-        sessions = list(self.sessions.values())
+        sessions = self.registry.sessions()
         for s in sessions:
             s.stop()
         # Wait for the worker threads to end before the interpreter does: a daemon thread still
@@ -219,34 +248,21 @@ class RgpuServer:
         loop = asyncio.get_running_loop()
         for s in sessions:
             await loop.run_in_executor(None, s.join, 10)
-        self.sessions.clear()
+        self.registry.by_id.clear()
+        self.registry.by_name.clear()
         log.info("rgpu-server stopped")
 
     async def _reap(self) -> None:
-        """End sessions whose client has not come back within the grace period."""
+        """End sessions whose client has not come back in time (registry.py)."""
         while True:
             await asyncio.sleep(min(1.0, self.config.grace / 4))
-            self._expired = [s for s in self._expired if s.alive()]
-            now = time.monotonic()
-            for sid, s in list(self.sessions.items()):
-                if s.ended or (
-                    s.detached_at is not None and now - s.detached_at > self.config.grace
-                ):
-                    self.sessions.pop(sid, None)
-                    s.stop()
-                    self._expired.append(s)
-                    if not s.ended:
-                        log.info(
-                            "session %s expired after %.0f s without its client; its tensors are gone",
-                            s.hex,
-                            self.config.grace,
-                        )
+            self.registry.reap(time.monotonic())
 
     # -- one connection ------------------------------------------------------------------------
 
     async def _serve_lane(self, ws: ServerConnection, peer: str) -> None:
         """Take the upgraded connection away from the websocket protocol and run it raw."""
-        session = self.sessions.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
+        session = self.registry.by_id.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
         if session is None or session.ended:
             return
         keepalive = getattr(ws, "keepalive_task", None)
@@ -298,37 +314,21 @@ class RgpuServer:
             await ws.send(refuse_closing().frame())
             await ws.close(CloseCode.GOING_AWAY, "shutting down")
             return
-        session = self.sessions.get(hello.session) if hello.session is not None else None
-        if session is not None and session.ended:
-            session = None
-        resumed = session is not None
-        if hello.session is not None and not resumed:
-            await ws.send(refuse_session_lost(self.url).frame())
-            await ws.close(CloseCode.BYE, "session lost")
-            return
-        if not resumed:
-            if len(self.sessions) >= self.config.max_sessions:
-                await ws.send(refuse_full(self.config.max_sessions).frame())
-                await ws.close(CloseCode.GOING_AWAY, "too many sessions")
-                return
-            if torch_major_minor(hello.torch) != torch_major_minor(torch.__version__):
-                log.warning(
-                    "client %s runs torch %s, this server torch %s",
-                    peer,
-                    hello.torch,
-                    torch.__version__,
-                )
-            session = Session(
-                secrets.token_bytes(16),
-                self.config.device,
-                self.config.limits,
-                client=peer,
-                quota=self.config.quota,
-                profile_dir=self.config.profile_dir,
+        owner = getattr(ws, "rgpu_owner", "")
+        opened = self.registry.open(hello, owner, peer, self.url)
+        if opened.refusal is not None:
+            await ws.send(opened.refusal.frame())
+            await ws.close(
+                CloseCode.GOING_AWAY if opened.refusal.code == "full" else CloseCode.BYE,
+                opened.refusal.code,
             )
-            session.server_info = self.info
-            session.data = self.config.data
-            self.sessions[session.id] = session
+            return
+        session, resumed = opened.session, opened.resumed
+        if not resumed and torch_major_minor(hello.torch) != torch_major_minor(torch.__version__):
+            log.warning("client %s runs torch %s, this server torch %s", peer, hello.torch,
+                        torch.__version__)  # fmt: skip
+        if opened.evict is not None:
+            await opened.evict.close(CloseCode.TAKEN_OVER, "another client took the session over")
         loop = asyncio.get_running_loop()
 
         async def send_frames(frames: list) -> None:
@@ -356,23 +356,27 @@ class RgpuServer:
             max_message=limits.max_message,
             max_chunk=min(limits.max_chunk, limits.max_message // 2),
             resumed=resumed,
-            last_seq=session.last_seq,
+            last_seq=session.last_seq if resumed else 0,
             compress=("zlib",),  # BATCH_Z frames are understood
             lane=LaneOffer(LANE_PATH, session.lane_key),
+            name=session.name,
+            attached=opened.attached,
+            kept=tuple(sorted(session.kept)),
         )
         await ws.send(welcome.frame())
-        old_ws = self._owner.get(session.id)
+        old_ws = self.registry.connection.get(session.id)
         generation = session.attach(send, on_protocol_error)
-        self._owner[session.id] = ws
+        self.registry.connection[session.id] = ws
         if old_ws is not None and old_ws is not ws:
             await old_ws.close(CloseCode.SUPERSEDED, "the session resumed on a newer connection")
         self._connections.add(ws)
         if resumed:
             log.info("session %s resumed by %s at message %d", session.hex, peer, session.last_seq)
-        else:
+        elif not opened.attached:
             log.info(
-                "session %s started for %s (%s, torch %s)",
+                "session %s%s started for %s (%s, torch %s)",
                 session.hex,
+                f" ({session.name!r})" if session.name else "",
                 peer,
                 hello.client,
                 hello.torch,
@@ -394,20 +398,45 @@ class RgpuServer:
             pass
         finally:
             self._connections.discard(ws)
-            if self._owner.get(session.id) is ws:
-                del self._owner[session.id]
-            code = ws.close_code
-            current = session.generation == generation
-            if code == CloseCode.BYE and not session.ended and current:
-                # the client disconnected on purpose: nothing to resume
-                self.sessions.pop(session.id, None)
-                session.stop()
-                self._expired.append(session)
-                log.info("session %s ended for %s after %d ops", session.hex, peer, session.ops_run)
-            else:
-                session.detach(generation)
-                if not session.ended and not self._closing and current:
-                    log.info(
-                        "session %s lost its connection from %s (%s); kept %.0f s for a resume",
-                        session.hex, peer, ws.close_reason or f"code {code}", self.config.grace,
-                    )  # fmt: skip
+            self._connection_ended(ws, session, generation, peer)
+
+    def _connection_ended(self, ws: ServerConnection, session: Session, generation: int, peer: str):
+        if self.registry.connection.get(session.id) is ws:
+            del self.registry.connection[session.id]
+        code = ws.close_code
+        current = session.generation == generation
+        if code == CloseCode.BYE and not session.ended and current:
+            # the client ended its session on purpose (a named one too): nothing to resume
+            self.registry.end(session, "its client ended it")
+            if session.store is not None and session.name is not None:
+                session.store.forget(session.owner, session.name)
+            log.info("session %s ended for %s after %d ops", session.hex, peer, session.ops_run)
+            return
+        session.detach(generation)
+        if not session.ended and not self._closing and current:
+            named = session.name is not None
+            kept = self.config.detached_ttl if named else self.config.grace
+            log.info(
+                "session %s%s %s %s (%s); kept %.0f s for %s",
+                session.hex, f" ({session.name!r})" if named else "",
+                "detached from" if code == CloseCode.KEEP else "lost its connection from",
+                peer, ws.close_reason or f"code {code}", kept,
+                "a later client" if named else "a resume",
+            )  # fmt: skip
+
+    def _make_session(self, sid: bytes, owner: str, name: str | None, peer: str) -> Session:
+        session = Session(
+            sid,
+            self.config.device,
+            self.config.limits,
+            client=peer,
+            quota=self.config.quota,
+            profile_dir=self.config.profile_dir,
+            owner=owner,
+            name=name,
+        )
+        session.server_info = self.info
+        session.data = self.config.data
+        session.registry = self.registry
+        session.store = self.store
+        return session

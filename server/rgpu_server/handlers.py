@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from rgpu_protocol import SPECS, Kind
 
-from . import control, execute, files, graph_messages, transfers
+from . import control, execute, files, graph_messages, keeping, transfers
 from .state import SessionState
 
 Handler = Callable[[SessionState, int, list], None]
@@ -37,6 +37,11 @@ HANDLERS: dict[int, Handler] = {
     Kind.READ_BYTES: files.read_bytes,
     Kind.WRITE_BYTES: files.write_bytes,
     Kind.COMMIT: files.commit,
+    Kind.KEEP: keeping.keep,
+    Kind.KEPT: keeping.kept,
+    Kind.FORGET: keeping.forget,
+    Kind.SESSIONS: keeping.sessions,
+    Kind.DROP_SESSION: keeping.drop_session,
 }
 
 discard_chunks = transfers.DISCARD  # where the chunks of a replayed, already applied upload go

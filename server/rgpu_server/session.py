@@ -32,7 +32,7 @@ from rgpu_protocol import (
     unpack_ref,
 )
 from rgpu_protocol.codec import Device
-from rgpu_protocol.server_stream import Action, UploadAborted
+from rgpu_protocol.server_stream import Action, ServerStream, UploadAborted
 
 from .handlers import HANDLERS, discard_chunks
 from .poison import Poison, describe
@@ -52,6 +52,7 @@ class _Marker:
 
 STOP = _Marker("stop")  # inbox sentinel: end the session
 DETACHED = _Marker("detached")  # inbox sentinel: the connection of this generation dropped
+REOPEN = _Marker("reopen")  # inbox sentinel: a new client takes over a named session
 
 
 class Session(SessionState):
@@ -65,8 +66,10 @@ class Session(SessionState):
         client: str = "?",
         quota: int | None = None,
         profile_dir: str | None = None,
+        owner: str = "",
+        name: str | None = None,
     ) -> None:
-        super().__init__(sid, device, limits, client, quota)
+        super().__init__(sid, device, limits, client, quota, owner, name)
         self._profile_dir = profile_dir
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.processed = 0  # bytes of frames taken from the inbox (the reader pauses on backlog)
@@ -94,7 +97,18 @@ class Session(SessionState):
         self.send = send
         self.on_protocol_error = on_protocol_error
         self.detached_at = None
+        self.attached_at = time.monotonic()
         return self.generation
+
+    def rename(self, sid: bytes) -> None:
+        self.id = sid
+        self.hex = sid.hex()[:8]
+
+    def reopen(self) -> None:
+        """A new client re-opens this named session: it starts a fresh stream and finds only
+        what was kept (the old client's tensor ids mean nothing to it)."""
+        self.generation += 1  # nothing more of the old connection runs
+        self.inbox.put((self.generation, REOPEN))
 
     def detach(self, generation: int) -> None:
         """The connection of `generation` ended; the session waits for a resume."""
@@ -142,6 +156,9 @@ class Session(SessionState):
                 self.processed += len(frame)
                 if frame is STOP:
                     return
+                if frame is REOPEN:
+                    self._fresh_stream()
+                    continue
                 if self.sink is not None and (
                     frame is DETACHED or generation != self._sink_generation
                 ):
@@ -173,10 +190,20 @@ class Session(SessionState):
         finally:
             self.ended = True
             self.tensors.clear()
+            self.kept.clear()
             self.stream.forget_replies()
             self.staged.clear()
             if self.lane is not None:
                 self.lane.close()
+
+    def _fresh_stream(self) -> None:
+        self.tensors = {}
+        self.stream = ServerStream(self.limits)
+        self.first_error = None
+        self.sink = None
+        self.bad = None
+        self.refs = {}
+        self._keep = []
 
     def _run_frame(self, frame: bytes, generation: int) -> None:
         for seq, spec, msg, action, resend, _ in self.stream.messages(frame, self._ext_hook):

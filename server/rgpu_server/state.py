@@ -31,8 +31,12 @@ class SessionState:
         limits: Limits,
         client: str = "?",
         quota: int | None = None,
+        owner: str = "",
+        name: str | None = None,
     ) -> None:
         self.id = sid
+        self.owner = owner  # a hash of the token that made the session: only it may reach it
+        self.name = name  # a named session outlives its client (registry.py)
         self.hex = sid.hex()[:8]
         self.device = device
         self.limits = limits
@@ -61,6 +65,10 @@ class SessionState:
         self.lane_transfers = 0
         self.data: Any = None  # the server's DataRoots (files.py), when it has --data-dir roots
         self.written = 0  # bytes of files this session wrote (counted against its quota)
+        self.kept: dict[str, Any] = {}  # rgpu.keep: name -> Kept (keeping.py)
+        self.registry: Any = None  # the server's SessionRegistry, for SESSIONS and DROP_SESSION
+        self.store: Any = None  # the server's DurableStore (--state-dir), if any
+        self.attached_at: float | None = None
 
     @property
     def last_seq(self) -> int:
@@ -145,7 +153,7 @@ class SessionState:
         self.deliver(self.stream.reply(seq, status, value, data))
 
     def memory(self) -> tuple[int, int]:
-        """(live tensor ids, bytes of the distinct storages they hold)."""
+        """(live tensor ids, bytes of the distinct storages they and kept objects hold)."""
         seen: dict[int, int] = {}
         count = 0
         for t in list(self.tensors.values()):
@@ -153,6 +161,11 @@ class SessionState:
                 count += 1
                 st = t.untyped_storage()
                 seen[st.data_ptr() or id(st)] = st.nbytes()
+        for kept in list(self.kept.values()):
+            for t in kept.tensors:
+                if t.device == self.device:
+                    st = t.untyped_storage()
+                    seen[st.data_ptr() or id(st)] = st.nbytes()
         return count, sum(seen.values())
 
     def info(self) -> dict:

@@ -1,0 +1,156 @@
+"""GPU state that outlives this process: objects kept in a named session, found again later.
+
+    rgpu.connect(url, session="llm")          # a named session: it stays when this process goes
+    rgpu.keep("model", model)                 # a module, optimizer, scheduler, GradScaler, or
+    rgpu.keep("opt", optimizer)               # containers of tensors and numbers
+    ...                                        # (kernel restart)
+    rgpu.connect(url, session="llm")          # the same token re-opens it
+    model.load_state_dict(rgpu.kept("model"), assign=True)
+    optimizer.load_state_dict(rgpu.kept("opt"))
+
+rgpu tensors are kept by reference: no bytes move either way, and an in-place change after the
+keep (a training step) is what `kept` returns. Everything else — numbers, and CPU tensors such as
+an optimizer's step count — is recorded when `keep` is called: call it again after the steps you
+want to resume from (it is one small message). `durable=True` also writes the object to the
+server's disk, as it is then, so it survives a server restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rgpu_protocol import MAX_TREE_TENSORS, HostData, Kind, TensorMeta, storage_span, tree
+
+from . import current as _cur
+from .errors import RemoteError, RgpuError
+from .tensor import RemoteTensor, reserve_ids, wrap_with_id
+
+__all__ = ["SessionEntry", "drop_session", "forget", "keep", "kept", "sessions"]
+
+
+class KeepError(RgpuError):
+    """A keep, kept, forget or drop the server refused (the message says why)."""
+
+
+def _ask(msg: tuple) -> Any:
+    try:
+        return _cur.current().request(msg)
+    except RemoteError as e:
+        if e.op.startswith("rgpu."):
+            raise KeepError(e.remote_message) from None
+        raise
+
+
+def _state_of(obj: Any) -> Any:
+    """What is kept of `obj`: the state dict of anything that has one (a module, an optimizer, a
+    scheduler, a GradScaler), containers as they are."""
+    if isinstance(obj, (dict, list, tuple)) or isinstance(obj, torch.Tensor):
+        return obj
+    state_dict = getattr(obj, "state_dict", None)
+    if callable(state_dict):
+        return state_dict()
+    return obj
+
+
+def _leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:
+            raise TypeError(f"rgpu.keep keeps dense tensors, not {x.layout}")
+        if not isinstance(x, RemoteTensor) and x.device.type != "cpu":
+            raise TypeError(f"rgpu.keep keeps rgpu and CPU tensors, not {x.device.type} ones")
+        return x.detach()
+    if x is None or type(x) in (bool, int, float, complex, str, bytes, torch.dtype):
+        return x
+    if isinstance(x, torch.device):
+        return str(x)
+    raise TypeError(
+        f"rgpu.keep keeps tensors, containers, numbers and strings (and the state dicts of "
+        f"modules, optimizers, schedulers and GradScalers); a {type(x).__name__} is none of them"
+    )
+
+
+def keep(name: str, obj: Any, *, durable: bool = False) -> int:
+    """Mark `obj` to be found again by a later client of this named session; the bytes of rgpu
+    tensors it holds (kept by reference: nothing is copied or sent)."""
+    return _ask((Kind.KEEP, name, tree.pack(_state_of(obj), _leaf), bool(durable)))
+
+
+def kept(name: str | None = None) -> Any:
+    """The object kept under `name`, its rgpu tensors bound to the server's tensors (no bytes
+    move); without a name, the names this session keeps."""
+    if name is None:
+        return _ask((Kind.KEPT, None, 0))
+    first = reserve_ids(MAX_TREE_TENSORS)
+    wire = _ask((Kind.KEPT, name, first))
+    sess = _cur.current()
+    next_id = [first]
+
+    def leaf(x: Any) -> Any:
+        if type(x) is TensorMeta:
+            span = storage_span(x.shape, x.stride, x.offset) * x.dtype.itemsize
+            key = (x.dtype, tuple(x.shape), tuple(x.stride), x.offset, span,
+                   (1 if x.conj else 0) | (2 if x.neg else 0))  # fmt: skip
+            w = wrap_with_id(sess, key, next_id[0])
+            next_id[0] += 1
+            return w
+        if type(x) is HostData:
+            if not x.data:
+                return torch.empty(x.shape, dtype=x.dtype)
+            return torch.frombuffer(bytearray(x.data), dtype=x.dtype).reshape(x.shape)
+        return x
+
+    return tree.unpack(wire, leaf)
+
+
+def forget(name: str) -> None:
+    """Stop keeping `name` (and remove its copy on the server's disk)."""
+    _ask((Kind.FORGET, name))
+
+
+@dataclass(frozen=True)
+class SessionEntry:
+    name: str | None
+    session: str  # the start of its id
+    state: str  # "live" or "detached"
+    since: str
+    tensors: int
+    bytes: int
+    kept: tuple[str, ...]
+    seconds_left: float | None  # before a detached session is freed
+    current: bool  # this process's session
+
+    def describe(self) -> str:
+        left = "" if self.seconds_left is None else f", {self.seconds_left / 3600:.1f} h left"
+        return (f"{self.name or '(unnamed)'}: {self.state} since {self.since}, {self.tensors} "
+                f"tensor(s), {self.bytes} bytes, kept: {', '.join(self.kept) or 'nothing'}{left}")  # fmt: skip
+
+
+def sessions() -> list[SessionEntry]:
+    """This token's sessions on the server (the current one's server)."""
+    return [
+        SessionEntry(
+            e["name"],
+            e["session"],
+            e["state"],
+            e["since"],
+            e["tensors"],
+            e["bytes"],
+            tuple(e["kept"]),
+            e["seconds_left"],
+            e["current"],
+        )  # fmt: skip
+        for e in _ask((Kind.SESSIONS,))
+    ]
+
+
+def drop_session(name: str) -> None:
+    """End a named session of this token now, live or detached: its tensors and kept objects
+    are freed (and its durable copies removed). The current session: `rgpu.disconnect(drop=True)`."""
+    sess = _cur.get()
+    if sess is not None and sess.name == name:
+        _cur.disconnect(drop=True)
+        return
+    _ask((Kind.DROP_SESSION, name))
