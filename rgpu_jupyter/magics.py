@@ -245,7 +245,7 @@ class RgpuMagics(Magics, Configurable):
         except rgpu.RgpuError as e:
             raise UsageError(f"rgpu: {e}") from None
         for e in entries:
-            left = "" if e.seconds_left is None else f", {format_seconds(e.seconds_left)} left"
+            left = "" if e.seconds_left is None else f", {_format_left(e.seconds_left)} left"
             mark = "* " if e.current else "  "
             print(
                 f"{mark}{e.name or '(unnamed ' + e.session + ')'}: {e.state} since {e.since}, "
@@ -343,6 +343,10 @@ class RgpuMagics(Magics, Configurable):
         if self._widget is not None:
             self._widget.close()
             self._widget = None
+
+
+def _format_left(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
 def _client_torch() -> str:

@@ -31,7 +31,7 @@ _READ_LIMITS = Limits(max_message=1 << 30, max_list=1 << 22)
 class DurableStore:
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)  # kept tensors: this user only
 
     def _folder(self, owner: str, session: str, kept: str | None = None) -> Path:
         folder = self.root / (owner or "anonymous") / session
