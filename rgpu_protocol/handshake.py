@@ -187,9 +187,7 @@ def valid_session_name(name: str) -> bool:
 
 
 def refuse_bad_name(name: str) -> Refusal:
-    return Refusal(
-        RefusalCode.BAD_NAME.value, f"{name!r} is not a session name: use {NAME_RULE}"
-    )
+    return Refusal(RefusalCode.BAD_NAME.value, f"{name!r} is not a session name: use {NAME_RULE}")
 
 
 def refuse_session_lost(url: str) -> Refusal:

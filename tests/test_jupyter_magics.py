@@ -437,7 +437,9 @@ def test_named_sessions_from_the_notebook(ip, capsys):
         ip.run_cell("_ = rgpu.keep('w', torch.arange(3.0, device='rgpu'))")
         capsys.readouterr()
         ip.run_line_magic("rgpu", f"connect {srv.url} --session nb1")  # as after a restart
-        assert capsys.readouterr().out.splitlines()[1] == "rgpu: session 'nb1' re-opened; it keeps: w"
+        assert (
+            capsys.readouterr().out.splitlines()[1] == "rgpu: session 'nb1' re-opened; it keeps: w"
+        )
         ip.run_line_magic("rgpu", f"connect {srv.url} --session nb2")
         capsys.readouterr()
         ip.run_line_magic("rgpu", "sessions")
