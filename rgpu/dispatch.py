@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, TensorMeta, ref_ext, storage_span
+from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, TensorMeta, ref_ext
 
 from . import current as _cur
 from . import tensor as _tensor
@@ -35,6 +35,7 @@ from .tensor import (
     Handle,
     RemoteTensor,
     Traced,
+    key_of_tensor_meta,
     patch_metadata,
     wrap,
     wrap_inner,
@@ -215,9 +216,7 @@ def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     tid = first_id
     for v in values:
         if type(v) is TensorMeta:
-            span = storage_span(v.shape, v.stride, v.offset) * v.dtype.itemsize
-            key = (v.dtype, tuple(v.shape), tuple(v.stride), v.offset, span,
-                   (1 if v.conj else 0) | (2 if v.neg else 0))  # fmt: skip
+            key = key_of_tensor_meta(v)
             flat.append(wrap_with_id(sess, key, tid))
             tid += 1
         else:

@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
-from rgpu_protocol import MAX_TREE_TENSORS, Kind, TensorMeta, storage_span, tree
+from rgpu_protocol import MAX_TREE_TENSORS, Kind, tree
 
 from . import current as _cur
 from .errors import RemoteError, RgpuError
 from .progress import TransferProgress
-from .tensor import RemoteTensor, reserve_ids, wrap_with_id
+from .replies import ask, unpack_tensors
+from .tensor import RemoteTensor, reserve_ids
 
 __all__ = [
     "FileError",
@@ -58,12 +59,7 @@ class FileStat:
 
 
 def _ask(msg: tuple) -> Any:
-    try:
-        return _cur.current().request(msg)
-    except RemoteError as e:
-        if e.op.startswith("rgpu.files"):
-            raise FileError(e.remote_message) from None
-        raise
+    return ask(msg, FileError, "rgpu.files")
 
 
 def _check_device(device: Any) -> None:
@@ -72,28 +68,10 @@ def _check_device(device: Any) -> None:
         raise ValueError(f"rgpu.files loads onto the rgpu device, not {device!r}")
 
 
-def _tensors(wire: Any, first_id: int) -> Any:
-    """The loaded object, with a RemoteTensor for each tensor the server keeps under its id."""
-    sess = _cur.current()
-    next_id = [first_id]
-
-    def leaf(x: Any) -> Any:
-        if type(x) is not TensorMeta:
-            return x
-        span = storage_span(x.shape, x.stride, x.offset) * x.dtype.itemsize
-        key = (x.dtype, tuple(x.shape), tuple(x.stride), x.offset, span,
-               (1 if x.conj else 0) | (2 if x.neg else 0))  # fmt: skip
-        w = wrap_with_id(sess, key, next_id[0])
-        next_id[0] += 1
-        return w
-
-    return tree.unpack(wire, leaf)
-
-
 def _load(path: str, fmt: str, options: dict | None) -> tuple[Any, dict | None]:
     first = reserve_ids(MAX_TREE_TENSORS)
     wire, metadata = _ask((Kind.LOAD, path, fmt, options, first))
-    return _tensors(wire, first), metadata
+    return unpack_tensors(wire, first), metadata
 
 
 def load_file(path: str, device: Any = "rgpu", *, dtype: torch.dtype | None = None) -> dict:

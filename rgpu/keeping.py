@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from rgpu_protocol import MAX_TREE_TENSORS, HostData, Kind, TensorMeta, storage_span, tree
+from rgpu_protocol import MAX_TREE_TENSORS, Kind, tree
 
 from . import current as _cur
-from .errors import RemoteError, RgpuError
-from .tensor import RemoteTensor, reserve_ids, wrap_with_id
+from .errors import RgpuError
+from .replies import ask, unpack_tensors
+from .tensor import RemoteTensor, reserve_ids
 
 __all__ = ["SessionEntry", "drop_session", "forget", "keep", "kept", "sessions"]
 
@@ -36,12 +37,7 @@ class KeepError(RgpuError):
 
 
 def _ask(msg: tuple) -> Any:
-    try:
-        return _cur.current().request(msg)
-    except RemoteError as e:
-        if e.op.startswith("rgpu."):
-            raise KeepError(e.remote_message) from None
-        raise
+    return ask(msg, KeepError)
 
 
 def _state_of(obj: Any) -> Any:
@@ -84,25 +80,7 @@ def kept(name: str | None = None) -> Any:
     if name is None:
         return _ask((Kind.KEPT, None, 0))
     first = reserve_ids(MAX_TREE_TENSORS)
-    wire = _ask((Kind.KEPT, name, first))
-    sess = _cur.current()
-    next_id = [first]
-
-    def leaf(x: Any) -> Any:
-        if type(x) is TensorMeta:
-            span = storage_span(x.shape, x.stride, x.offset) * x.dtype.itemsize
-            key = (x.dtype, tuple(x.shape), tuple(x.stride), x.offset, span,
-                   (1 if x.conj else 0) | (2 if x.neg else 0))  # fmt: skip
-            w = wrap_with_id(sess, key, next_id[0])
-            next_id[0] += 1
-            return w
-        if type(x) is HostData:
-            if not x.data:
-                return torch.empty(x.shape, dtype=x.dtype)
-            return torch.frombuffer(bytearray(x.data), dtype=x.dtype).reshape(x.shape)
-        return x
-
-    return tree.unpack(wire, leaf)
+    return unpack_tensors(_ask((Kind.KEPT, name, first)), first)
 
 
 def forget(name: str) -> None:

@@ -344,6 +344,13 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
     w.__dict__.pop("_m", None)  # its inner meta described the old layout
 
 
+def key_of_tensor_meta(m: Any) -> Key:
+    """The metadata key of a tensor the server described (a TensorMeta)."""
+    span = storage_span(m.shape, m.stride, m.offset) * m.dtype.itemsize
+    return (m.dtype, tuple(m.shape), tuple(m.stride), m.offset, span,
+            (1 if m.conj else 0) | (2 if m.neg else 0))  # fmt: skip
+
+
 def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int) -> Key:
     """Key of a tensor that owns exactly the storage its layout spans."""
     span = storage_span(shape, stride, offset)

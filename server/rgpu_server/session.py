@@ -23,7 +23,6 @@ from rgpu_protocol import (
     EXT_HOST,
     EXT_REF,
     EXT_VIEW,
-    Limits,
     ProtocolError,
     Status,
     decode_host,
@@ -58,18 +57,9 @@ REOPEN = _Marker("reopen")  # inbox sentinel: a new client takes over a named se
 class Session(SessionState):
     """A client's state, and the thread that executes its messages; it outlives connections."""
 
-    def __init__(
-        self,
-        sid: bytes,
-        device: torch.device,
-        limits: Limits,
-        client: str = "?",
-        quota: int | None = None,
-        profile_dir: str | None = None,
-        owner: str = "",
-        name: str | None = None,
-    ) -> None:
-        super().__init__(sid, device, limits, client, quota, owner, name)
+    def __init__(self, *args: Any, profile_dir: str | None = None, **kwargs: Any) -> None:
+        """SessionState's arguments; `profile_dir`: a cProfile dump of the worker goes there."""
+        super().__init__(*args, **kwargs)
         self._profile_dir = profile_dir
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.processed = 0  # bytes of frames taken from the inbox (the reader pauses on backlog)
