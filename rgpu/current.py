@@ -13,7 +13,7 @@ from rgpu_protocol import DEFAULT_SEED, Kind
 
 from . import progress, ssh
 from .config import Config
-from .errors import ConnectError
+from .errors import ConnectError, RgpuError
 from .local_server import EmbeddedServer
 from .session import Session
 
@@ -22,14 +22,21 @@ log = logging.getLogger("rgpu")
 _current: Session | None = None
 _lock = threading.RLock()
 _pending_seed: int | None = None
+_disconnected = False  # rgpu.disconnect() was called: no automatic connect until connect()
 
 
 def announce(message: str) -> None:
-    """One line for the user: through logging when it is configured, else on stderr."""
+    """One line for the user: through logging when it is configured, else on stderr (stdout in
+    a notebook, where stderr shows as an alarm and lands after the cell's other lines)."""
     if logging.getLogger().handlers or log.handlers:
         log.info(message)
     else:
-        print(f"rgpu: {message}", file=sys.stderr)
+        print(f"rgpu: {message}", file=sys.stdout if _in_ipython() else sys.stderr, flush=True)
+
+
+def _in_ipython() -> bool:
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
 
 
 def _normalise_url(url: str) -> str:
@@ -113,31 +120,57 @@ def connect(
         # the old session ends only now: a mistyped URL does not cost the user their tensors
         disconnect()
         _current = opened
+        _set_disconnected(False)
         progress.use_config(config)
         _warm_up()
         return opened
 
 
-def _warm_up() -> None:
-    """Import what the first meta inference needs (~0.5 s) now, at connect, rather than in the
-    user's first op. Not on a thread: a daemon thread inside torch when the interpreter exits
-    aborts the process."""
-    import torch
+_warming: list[threading.Thread] = []
 
-    try:
-        torch.empty(2, device="meta").add(1).relu().sum()
-    except Exception:
-        pass
+
+def _warm_up() -> None:
+    """Import what the first meta inference needs (torch imports Dynamo for it: 1-2 s) in the
+    background, while the user does something else, rather than in their first op or in
+    connect. Joined at exit: a thread still inside torch when the interpreter finalizes aborts
+    the process."""
+    if _warming:
+        return
+
+    def work() -> None:
+        import torch
+
+        try:
+            torch.empty(2, device="meta").add(1).relu().sum()
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=work, name="rgpu-warm-up", daemon=True)
+    _warming.append(thread)
+    thread.start()
+
+
+@atexit.register
+def _join_warm_up() -> None:
+    for thread in _warming:
+        thread.join(timeout=60)
 
 
 def disconnect(drop: bool = False) -> None:
     """End the current session (its rgpu tensors become unusable) and stop an embedded server.
-    A named session is left on the server for a later client, unless `drop`."""
+    A named session is left on the server for a later client, unless `drop`. Until the next
+    `connect`, using the device raises instead of starting a server."""
     global _current
     with _lock:
         session, _current = _current, None
         if session is not None:
             session.close(drop=drop)
+            _set_disconnected(True)
+
+
+def _set_disconnected(value: bool) -> None:
+    global _disconnected
+    _disconnected = value
 
 
 def current() -> Session:
@@ -145,6 +178,11 @@ def current() -> Session:
     session = _current
     if session is None:
         with _lock:
+            if _current is None and _disconnected:
+                raise RgpuError(
+                    "rgpu is disconnected (rgpu.disconnect()); connect again with rgpu.connect() "
+                    "(%rgpu connect in a notebook) to use the device"
+                )
             session = _current or connect()
     return session
 

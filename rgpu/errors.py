@@ -2,9 +2,52 @@
 
 from __future__ import annotations
 
+import traceback
+import types
+
+# in a notebook, hints name the magic where one fits
+_NOTEBOOK_HINTS = (("Call rgpu.connect()", "Run %rgpu connect"),
+                   ("call rgpu.connect()", "run %rgpu connect"))  # fmt: skip
+
+
+def render_traceback(exc: BaseException) -> list[str]:
+    """How IPython shows an error rgpu raises: the user's frames only (those of rgpu, torch,
+    IPython and the standard library are hidden), cells named as the notebook shows them, and
+    hints in the magics' syntax."""
+    from . import sites
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    shown = [f for f in frames if not sites.in_library(f.filename)]
+    lines = ["Traceback (most recent call last):"]
+    for f in shown:
+        where = (sites.name_file(f.filename) if sites.name_file is not None else None) or (
+            f'File "{f.filename}"'
+        )
+        lines.append(
+            f"  {where}, line {f.lineno}" + (f", in {f.name}" if f.name != "<module>" else "")
+        )
+        if f.line:
+            lines.append(f"    {f.line.strip()}")
+    hidden = len(frames) - len(shown)
+    if hidden:
+        lines.append(f"  [{hidden} frame(s) inside rgpu, torch and Python hidden]")
+    text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n")
+    for python, magic in _NOTEBOOK_HINTS:
+        text = text.replace(python, magic)
+    return lines + text.splitlines()  # (its notes included)
+
+
+def shown_briefly(exc: BaseException) -> BaseException:
+    """`exc` (any type) shown by IPython as rgpu's own errors are."""
+    exc._render_traceback_ = types.MethodType(render_traceback, exc)  # type: ignore[attr-defined]
+    return exc
+
 
 class RgpuError(RuntimeError):
     """Base class of rgpu's own errors."""
+
+    def _render_traceback_(self) -> list[str]:
+        return render_traceback(self)
 
 
 class RemoteError(RgpuError):
@@ -14,10 +57,15 @@ class RemoteError(RgpuError):
     exception text.
     """
 
-    def __init__(self, op: str, remote_message: str) -> None:
-        super().__init__(f"{op} failed on the rgpu server: {remote_message}")
+    def __init__(
+        self, op: str, remote_message: str, seq: int | None = None, site: str | None = None
+    ) -> None:
+        where = f" (queued at {site})" if site else ""
+        super().__init__(f"{op} failed on the rgpu server{where}: {remote_message}")
         self.op = op
         self.remote_message = remote_message
+        self.seq = seq  # the message that failed
+        self.site = site  # where it was queued, when rgpu.settings.op_sites is on
 
 
 class ConnectError(RgpuError, ConnectionError):

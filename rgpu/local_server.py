@@ -38,8 +38,15 @@ class EmbeddedServer:
             # it gets work at once: importing Inductor in the background would slow that work
             "--no-preload-inductor",
         ]  # fmt: skip
+        # a session of its own: Jupyter's "interrupt kernel" signals the kernel's whole process
+        # group, and the server must survive it; it still ends with the client (its stdin closes)
         self.process = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, close_fds=True
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            close_fds=True,
+            start_new_session=True,
         )
         assert self.process.stdin is not None
         self.process.stdin.write(self.token.encode() + b"\n")

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from rgpu_protocol import TensorMeta, written_returns
 
 from . import tensor as _tensor
+from .errors import shown_briefly
 from .tensor import (
     TRACED,
     Handle,
@@ -219,7 +220,7 @@ def _rewrite_meta_error(e: BaseException) -> BaseException:
         new = type(e)(msg)
     except Exception:
         new = RuntimeError(msg)
-    return new
+    return shown_briefly(new)
 
 
 def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:

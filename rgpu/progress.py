@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .config import DEFAULT, Config
@@ -15,6 +16,26 @@ class Settings:
 
     def __init__(self) -> None:
         self._progress_bytes: int | None = None
+        self._op_sites = False
+        self._sessions: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def op_sites(self) -> bool:
+        """Record where each op is queued, so a failure reported at a later wait names the
+        line (in a notebook, the cell) that queued it. A few stack frames per op; the Jupyter
+        extension turns it on."""
+        return self._op_sites
+
+    @op_sites.setter
+    def op_sites(self, value: bool) -> None:
+        self._op_sites = bool(value)
+        for session in list(self._sessions):
+            session.record_sites = self._op_sites
+
+    def watch(self, session: Any) -> None:
+        """A session that reads these settings on its hot path: it hears of changes."""
+        self._sessions.add(session)
+        session.record_sites = self._op_sites
 
     @property
     def progress_bytes(self) -> int:

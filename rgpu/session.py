@@ -41,7 +41,9 @@ from .config import Config
 from .connection import Connection, split_token
 from .errors import ConnectionLost, RgpuError
 from .link import Link
+from .progress import settings
 from .reconnect import ReconnectMixin
+from .sites import OpSites
 from .tensor import RemoteTensor
 from .transfers import UPLOAD_CHUNK, ChunkedUpload, TransferMixin
 from .waits import WaitMixin
@@ -160,6 +162,9 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         self.writer = self.new_writer(self.conn)
         self.graphs: set[str] = set()  # compiled graphs this session already sent (by content key)
         self.uploads = dedup.UploadIndex(enabled=config.dedup, min_bytes=config.dedup_min_bytes)
+        self.sites = OpSites()  # where ops were queued, when rgpu.settings.op_sites is on
+        self.record_sites = False
+        settings.watch(self)
         self._quiet = threading.Thread(
             target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
         )
@@ -227,6 +232,8 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
             queued = self.stream.append(data, data_bytes)
             self.bytes_out += len(data)
             self.messages += 1
+            if self.record_sites:
+                self.sites.note(self.stream.next_seq - 1)
             if queued == FULL:
                 self.flush_locked()
                 flow = self.stream.over_limit
@@ -291,12 +298,16 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
     def _wait_for_confirmations(self) -> None:
         """Flow control: the server is far behind; let it catch up before queueing more.
         Called without the session lock held, so a reconnect can replay meanwhile."""
-        while True:
-            with self._core:
-                if not self.stream.over_limit:
-                    return
-                self._confirmations.wait(0.1)
-            self.check_usable()
+        try:
+            while True:
+                with self._core:
+                    if not self.stream.over_limit:
+                        return
+                    self._confirmations.wait(0.1)
+                self.check_usable()
+        except KeyboardInterrupt as e:
+            self.interrupted(e)
+            raise
 
     def send(self, frame: bytes | list, tag: object = None, compressible: bool = False) -> int:
         """Hand a frame to the writer thread; returns its ticket (0 while reconnecting: the

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rgpu_protocol import Kind, Status
+from rgpu_protocol import Kind, Status, cancel_frame
 from rgpu_protocol.client_stream import Acked, Data, Failed, Reply
 
-from .errors import ProtocolViolation, RemoteError
+from .errors import ProtocolViolation, RemoteError, RgpuError
 from .progress import TransferProgress
 
 
@@ -141,8 +141,7 @@ class WaitMixin:
         if status is Status.ERROR:
             if getattr(self.async_error, "rgpu_seq", None) == waiter.seq:
                 self.async_error = None  # reported here, not again at the next wait
-            op, message = waiter.value
-            raise RemoteError(str(op), str(message))
+            raise self.remote_error(waiter.value)
         if status is None:  # woken by a lost connection
             self.check_usable()
         raise ProtocolViolation(f"the rgpu server could not understand this client: {waiter.value}")
@@ -155,12 +154,35 @@ class WaitMixin:
                     self.check_usable()
                 if progress is not None:
                     progress.update_to(waiter.received)
-        except BaseException:  # KeyboardInterrupt: stop waiting, keep the session consistent
+        except KeyboardInterrupt as e:  # Ctrl-C: stop waiting, and stop the server's queued work
+            waiter.abandoned = True
+            self.interrupted(e)
+            raise
+        except BaseException:
             waiter.abandoned = True
             raise
         finally:
             if progress is not None:
                 progress.close()
+
+    def interrupted(self, exc: BaseException | None = None) -> int:
+        """Ctrl-C: the server skips the work it has not started (those ops' outputs then say
+        they were cancelled); how many messages that may be. The running op finishes."""
+        try:
+            with self.lock:
+                self.flush_locked()
+                upto = self.stream.next_seq - 1
+                queued = upto - self.stream.acked
+                if queued > 0:
+                    self.send(cancel_frame(upto))
+        except RgpuError:
+            return 0
+        if queued > 0 and exc is not None and hasattr(exc, "add_note"):
+            exc.add_note(
+                f"rgpu: the server skips the work of up to {queued} queued message(s) it has not "
+                "started (their results raise 'cancelled' if used); the op it is running finishes"
+            )
+        return max(queued, 0)
 
     def synchronize(self) -> None:
         """Wait until the server has run everything sent so far (one wait); raise a failure of
@@ -174,11 +196,17 @@ class WaitMixin:
             error, self.async_error = self.async_error, None
             raise error
 
+    def remote_error(self, value: Any) -> RemoteError:
+        """The RemoteError an ERROR reply's [op, message, failed message's seq] describes,
+        naming where that op was queued when sites are recorded."""
+        op, message, *rest = value
+        seq = rest[0] if rest and type(rest[0]) is int and rest[0] > 0 else None
+        return RemoteError(str(op), str(message), seq, self.sites.site(seq))
+
     def note_async_error(self, waiter: Waiter) -> None:
         """Keep the first failure of a reply nobody waited for, to raise at the next wait."""
         if self.async_error is None:
-            op, message = waiter.value
-            error = RemoteError(str(op), str(message))
+            error = self.remote_error(waiter.value)
             error.rgpu_seq = waiter.seq
             self.async_error = error
 

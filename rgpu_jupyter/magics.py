@@ -18,6 +18,7 @@ from traitlets import Bool, Float, Int, default, observe, validate
 from traitlets.config import Configurable
 
 import rgpu
+import rgpu.sites
 
 from .accounting import CellAccounting, make_cost, send_leftovers
 from .report import CellStats, cell_line, format_bytes, format_seconds, plural
@@ -38,13 +39,28 @@ class RgpuMagics(Magics, Configurable):
     progress_mb = Float(
         help="Transfers of at least this many MiB show a progress bar (0 turns bars off)."
     ).tag(config=True)
+    op_sites = Bool(
+        True,
+        help="Record the cell and line that queued each op, so a failure the server reports at "
+        "a later wait names them (a few stack frames per op).",
+    ).tag(config=True)
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         Configurable.__init__(self, config=shell.config if shell is not None else None, **kwargs)
         Magics.__init__(self, shell=shell)
         self.accounting = CellAccounting(keep=self.history)
         self._widget: Any = None
+        rgpu.settings.op_sites = self.op_sites
+        rgpu.sites.name_file = self._cell_of
 
+    def _cell_of(self, filename: str) -> str | None:
+        """A cell's code, as IPython compiled it, named as the user sees it: "cell [7]"."""
+        number = getattr(getattr(self.shell, "compile", None), "_filename_map", {}).get(filename)
+        return f"cell [{number}]" if number is not None else None
+
+    @observe("op_sites")
+    def _op_sites_changed(self, change: dict) -> None:
+        rgpu.settings.op_sites = change["new"]
     @default("progress_mb")
     def _progress_mb_default(self) -> float:
         return rgpu.settings.progress_bytes / (1 << 20)
@@ -339,7 +355,10 @@ class RgpuMagics(Magics, Configurable):
             print(cell_line(make_cost("", "", 0, end.since(start), 0.0, True)))
 
     def close(self) -> None:
-        """Stop the widget's timer and close it (on %unload_ext)."""
+        """Stop the widget's timer and close it, and stop recording op sites (on %unload_ext)."""
+        rgpu.settings.op_sites = False
+        if rgpu.sites.name_file == self._cell_of:
+            rgpu.sites.name_file = None
         if self._widget is not None:
             self._widget.close()
             self._widget = None

@@ -35,6 +35,7 @@ class Frame(IntEnum):
     BATCH = 0x01
     CHUNK = 0x02
     BATCH_Z = 0x03  # a BATCH frame, zlib-compressed after its kind byte
+    CANCEL = 0x04  # u64: skip the work of every message up to this one not started yet
     REPLY = 0x11
     DATA = 0x12
     ACK = 0x13  # server to client: every message up to this sequence number has been applied
@@ -71,6 +72,16 @@ _U64 = struct.Struct("<Q")
 
 def ack_frame(last_seq: int) -> bytes:
     return bytes((Frame.ACK,)) + _U64.pack(last_seq)
+
+
+def cancel_frame(upto: int) -> bytes:
+    return bytes((Frame.CANCEL,)) + _U64.pack(upto)
+
+
+def parse_cancel(frame: bytes | memoryview) -> int:
+    if len(frame) != 9:
+        raise ProtocolError("CANCEL frame must hold one u64")
+    return _U64.unpack_from(frame, 1)[0]
 
 
 def parse_ack(frame: bytes | memoryview) -> int:

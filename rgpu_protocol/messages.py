@@ -163,6 +163,11 @@ SPECS: dict[int, MessageSpec] = {
 }  # fmt: skip
 
 WAITED = frozenset(k for k, s in SPECS.items() if s.waited)
+# the kinds an interrupt cancels when the server has not started them: the work. (FREE, SEED,
+# RNG_SET, UPLOAD and the like still run: they are cheap, and later messages rely on them.)
+CANCELLABLE = frozenset(
+    {Kind.RUN, Kind.RUN_DYN, Kind.CALL, Kind.DOWNLOAD, Kind.LOAD, Kind.SAVE, Kind.SYNC}
+)
 
 
 _CHECKS = {k: (s.min_len, s.max_len, s.typed, s) for k, s in SPECS.items()}  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from .frames import (
     parse_chunk,
     reply_frame,
 )
-from .messages import WAITED, Kind, MessageSpec, Status, check_message
+from .messages import CANCELLABLE, WAITED, Kind, MessageSpec, Status, check_message
 
 REPLY_CACHE = 32  # replies kept for resending after a dropped connection...
 REPLY_CACHE_BYTES = 512 << 20  # ...and their bytes (the newest is always kept)
@@ -38,6 +38,7 @@ ACK_IDLE_BYTES = 16 << 10
 
 class Action(enum.Enum):
     RUN = "run"  # a new message: run it (a chunked UPLOAD: its chunks follow)
+    CANCEL = "cancel"  # a new message an interrupt cancelled before it ran: poison, do not run
     RESEND = "resend"  # a waited message applied before: send `frames` (its reply) again
     DRAIN = "drain"  # a chunked UPLOAD applied before: its `nbytes` of chunks follow, unneeded
     SKIP = "skip"  # applied before, nothing to answer
@@ -91,6 +92,8 @@ class ServerStream:
         self.limits = limits
         self._encode = encode or Encoder().encode
         self.last_seq = 0  # the last message applied
+        self.cancel_upto = 0  # new messages up to this one are cancelled, not run (`cancel`)
+        self.decoding = 0  # the message being decoded now
         self.received = 0  # bytes of batch and chunk frames fed in
         self._replies: collections.OrderedDict[int, list] = collections.OrderedDict()
         self._reply_bytes = 0
@@ -130,11 +133,19 @@ class ServerStream:
         if seq > self.last_seq + 1:
             raise ProtocolError(f"sequence gap: expected {self.last_seq + 1}, got {seq}")
         next_message = reader.next_message
-        while (msg := next_message()) is not None:
+        while True:
+            self.decoding = seq  # references resolve while message `seq` is decoded
+            msg = next_message()
+            if msg is None:
+                break
             if self._upload is not None:
                 raise ProtocolError("a chunked UPLOAD must be the last message of its batch")
             if seq > self.last_seq and (msg[0] != _UPLOAD or not is_chunked_upload(msg)):
-                yield (seq, check_message(msg), msg, _RUN, None, 0)  # the hot path: a plain tuple
+                spec = check_message(msg)
+                if seq <= self.cancel_upto and msg[0] in CANCELLABLE:
+                    yield (seq, spec, msg, Action.CANCEL, None, 0)
+                else:
+                    yield (seq, spec, msg, _RUN, None, 0)  # the hot path: a plain tuple
                 self.last_seq = seq
             elif is_chunked_upload(msg):
                 spec = check_message(msg)
@@ -151,6 +162,12 @@ class ServerStream:
             else:
                 yield Incoming(seq, None, msg, Action.SKIP)
             seq += 1
+
+    def cancel(self, upto: int) -> None:
+        """An interrupt on the client: the work of messages up to `upto` that has not started is
+        cancelled (Action.CANCEL). Safe to call from another thread than the one iterating."""
+        if upto > self.cancel_upto:
+            self.cancel_upto = upto
 
     def _stray_chunk(self, frame: bytes) -> None:
         seq, offset, _ = parse_chunk(frame, self.limits)

@@ -455,3 +455,25 @@ def test_named_sessions_from_the_notebook(ip, capsys):
     finally:
         rgpu.disconnect(drop=True)
         srv.stop()
+
+
+def test_a_server_failure_names_the_cell_and_line_that_queued_it(connected, capsys):
+    ip = connected
+    ip.run_cell(
+        "x = torch.ones(2, 2, device='rgpu')\nbad = x.index_select(0, torch.tensor([5]).to('rgpu'))\ny = bad + 1",
+        store_history=True,
+    )
+    queued_in = ip.execution_count - 1
+    capsys.readouterr()
+    result = ip.run_cell("print('later')\ny.sum().item()", store_history=True)
+    assert isinstance(result.error_in_exec, rgpu.RemoteError)
+    assert result.error_in_exec.site == f"cell [{queued_in}], line 2"
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0] == "later"
+    assert shown[1:4] == ["Traceback (most recent call last):", f"  cell [{queued_in + 1}], line 2",
+                          "    y.sum().item()"]  # fmt: skip
+    assert re.fullmatch(r"  \[\d+ frame\(s\) inside rgpu, torch and Python hidden\]", shown[4])
+    assert shown[5].startswith(
+        f"rgpu.errors.RemoteError: aten::index_select.default failed on the rgpu server (queued at cell [{queued_in}], line 2)"
+    )
+    assert len(shown) == 6  # no rgpu frame shown

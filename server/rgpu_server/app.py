@@ -25,11 +25,13 @@ from rgpu_protocol import (
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
     CloseCode,
+    Frame,
     Hello,
     LaneOffer,
     Limits,
     ProtocolError,
     Welcome,
+    parse_cancel,
     torch_major_minor,
 )
 from rgpu_protocol.handshake import (
@@ -42,13 +44,14 @@ from . import __version__
 from .datadirs import DataRoots
 from .devices import device_name
 from .durable import DurableStore
-from .lane import LaneProtocol, ServerLane
+from .lane import ServerLane, serve_lane
 from .registry import SessionRegistry
 from .session import Session
 
 log = logging.getLogger("rgpu_server")
 
 HELLO_TIMEOUT = 10.0
+_CANCEL = bytes((Frame.CANCEL,))
 MAX_BACKLOG = 256 << 20  # bytes received but not yet executed, per session, before reading pauses
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -260,38 +263,12 @@ class RgpuServer:
 
     # -- one connection ------------------------------------------------------------------------
 
-    async def _serve_lane(self, ws: ServerConnection, peer: str) -> None:
-        """Take the upgraded connection away from the websocket protocol and run it raw."""
-        session = self.registry.by_id.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
-        if session is None or session.ended:
-            return
-        keepalive = getattr(ws, "keepalive_task", None)
-        if keepalive is not None:  # no pings into a raw stream
-            keepalive.cancel()
-        lane = LaneProtocol(session.staged, session.max_lane_bytes, peer)
-        ws.transport.set_protocol(lane)
-        lane.start(ws.transport)
-        server_lane = ServerLane(lane, asyncio.get_running_loop())
-        old = session.lane
-        session.lane = server_lane
-        if old is not None:
-            old.close()
-        self._lanes.add(server_lane)
-        log.debug("session %s opened a lane from %s", session.hex, peer)
-        try:
-            await lane.closed
-        finally:
-            self._lanes.discard(server_lane)
-            if session.lane is server_lane:
-                session.lane = None
-            # the websocket object never sees this connection again: tell it the connection is
-            # over, so it skips the closing handshake a raw stream cannot carry
-            ws.connection_lost(None)
-
     async def _handle(self, ws: ServerConnection) -> None:
         peer = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
         if ws.request is not None and ws.request.path.split("?")[0] == LANE_PATH:
-            await self._serve_lane(ws, peer)
+            session = self.registry.by_id.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
+            if session is not None and not session.ended:
+                await serve_lane(ws, session, peer, self._lanes)
             return
         try:
             first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
@@ -390,6 +367,12 @@ class RgpuServer:
                     session.stop()  # a protocol error ends the session, as in the worker
                     await ws.close(CloseCode.PROTOCOL_ERROR, "rgpu frames are binary")
                     break
+                if frame[:1] == _CANCEL:  # out of band: the worker must see it before the work
+                    upto = parse_cancel(frame)
+                    session.stream.cancel(upto)
+                    log.info("session %s: interrupt: work up to message %d not started yet is "
+                             "cancelled", session.hex, upto)  # fmt: skip
+                    continue
                 received += len(frame)
                 session.put(generation, frame)
                 while received - session.processed > MAX_BACKLOG and session.alive():

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, ProtocolError, Status, TensorMeta, storage_span
+from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, ProtocolError, Status, TensorMeta, storage_span
 
 from . import rng
 from .ops import OpRefused, resolve
 from .ops import _cache as _resolved
-from .poison import describe
+from .poison import Poison, describe
 from .quota import factory_bytes
 from .state import SessionState
 
@@ -225,3 +225,34 @@ def free(s: SessionState, seq: int, msg: list) -> None:
     for i in msg[1]:
         if type(i) is int:
             pop(i, None)
+
+
+CANCELLED = (
+    "cancelled: an interrupt (Ctrl-C) on the client stopped the work queued before it, and "
+    "the server had not started this op"
+)
+
+
+def cancel(s: SessionState, seq: int, spec: Any, msg: list) -> None:
+    """An interrupt cancelled this message before it ran: its outputs (and what it writes) are
+    poisoned with that reason, a waited one is answered so; no error waits for the next wait."""
+    kind = msg[0]
+    if spec.waited:
+        s.reply(seq, Status.ERROR, ["cancelled", CANCELLED])
+        return
+    outs = msg[3] if kind == Kind.CALL else msg[4]
+    label = "cancelled op"
+    written: list[int] = []
+    if kind == Kind.RUN:
+        try:
+            resolved = resolve(msg[1])
+            label = resolved.label
+            written = s.written_ids(resolved, msg[2], msg[3])
+        except OpRefused:
+            pass
+    poison = Poison(label, CANCELLED, seq)
+    for i in [*outs, *written]:
+        if type(i) is int:
+            if s.quota is not None:
+                s.quota.uncharge(i)
+            s.tensors[i] = poison

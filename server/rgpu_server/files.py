@@ -328,6 +328,7 @@ def write_bytes(s: SessionState, seq: int, msg: list) -> None:
             s.first_error = (
                 "rgpu.files.upload",
                 str(e) if isinstance(e, FileRefused) else describe(e),
+                seq,
             )
 
 

@@ -31,10 +31,10 @@ def compile_graph(s: SessionState, seq: int, msg: list) -> None:
 
 
 def _fail_graph(s: SessionState, key: str, message: str) -> None:
-    poison = Poison(f"compiled graph {key[:12]}", message)
+    poison = Poison(f"compiled graph {key[:12]}", message, s.current_seq)
     s.graphs[key] = poison
     if s.first_error is None:
-        s.first_error = (poison.label, message)
+        s.first_error = (poison.label, message, s.current_seq)
 
 
 def call_graph(s: SessionState, seq: int, msg: list) -> None:

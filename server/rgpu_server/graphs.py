@@ -11,6 +11,7 @@ import hashlib
 import logging
 import operator
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -111,8 +112,11 @@ class GraphCache:
 
     def counters(self) -> dict:
         hits = dynamo_graphs = 0
+        utils = sys.modules.get("torch._dynamo.utils")
         try:  # Inductor's on-disk FX graph cache: hits mean a compile from an earlier run was reused
-            from torch._dynamo.utils import counters
+            if utils is None:  # nothing compiled yet: do not import Dynamo (seconds) for INFO
+                raise LookupError
+            counters = utils.counters
 
             hits = int(counters["inductor"]["fxgraph_cache_hit"])
             # graphs Dynamo really compiled in this process (the preload's included): a graph

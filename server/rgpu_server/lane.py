@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import Any
 
 import torch
 
@@ -219,3 +220,30 @@ class ServerLane:
         t = self.protocol.transport
         if t is not None:
             self.loop.call_soon_threadsafe(t.close)
+
+
+async def serve_lane(ws: Any, session: Any, peer: str, lanes: set) -> None:
+    """Take an upgraded lane connection away from the websocket protocol and run it raw, for
+    `session`, until it closes."""
+    keepalive = getattr(ws, "keepalive_task", None)
+    if keepalive is not None:  # no pings into a raw stream
+        keepalive.cancel()
+    lane = LaneProtocol(session.staged, session.max_lane_bytes, peer)
+    ws.transport.set_protocol(lane)
+    lane.start(ws.transport)
+    server_lane = ServerLane(lane, asyncio.get_running_loop())
+    old = session.lane
+    session.lane = server_lane
+    if old is not None:
+        old.close()
+    lanes.add(server_lane)
+    log.debug("session %s opened a lane from %s", session.hex, peer)
+    try:
+        await lane.closed
+    finally:
+        lanes.discard(server_lane)
+        if session.lane is server_lane:
+            session.lane = None
+        # the websocket object never sees this connection again: tell it the connection is
+        # over, so it skips the closing handshake a raw stream cannot carry
+        ws.connection_lost(None)

@@ -33,6 +33,7 @@ from rgpu_protocol import (
 from rgpu_protocol.codec import Device
 from rgpu_protocol.server_stream import Action, ServerStream, UploadAborted
 
+from .execute import cancel as cancel_message
 from .handlers import HANDLERS, discard_chunks
 from .poison import Poison, describe
 from .state import SessionState
@@ -198,7 +199,10 @@ class Session(SessionState):
     def _run_frame(self, frame: bytes, generation: int) -> None:
         for seq, spec, msg, action, resend, _ in self.stream.messages(frame, self._ext_hook):
             if action is _RUN:
+                self.current_seq = seq
                 HANDLERS[spec.kind](self, seq, msg)
+            elif action is Action.CANCEL:  # an interrupt on the client: skip the work
+                cancel_message(self, seq, spec, msg)
             elif action is Action.DRAIN:  # a replayed chunked upload applied before
                 self.sink = discard_chunks
             elif action is Action.RESEND:  # its reply was lost with the old connection
@@ -258,9 +262,11 @@ class Session(SessionState):
                 v = t.as_strided(view.shape, view.stride, view.offset)
             except RuntimeError as e:
                 if self.bad is None:
-                    self.bad = Poison("view", f"invalid view of tensor {view.base}: {e}")
+                    self.bad = Poison(
+                        "view", f"invalid view of tensor {view.base}: {e}", self.stream.decoding
+                    )
                     if self.first_error is None:
-                        self.first_error = (self.bad.label, self.bad.message)
+                        self.first_error = (self.bad.label, self.bad.message, self.bad.seq)
                 return None
             self.refs[id(v)] = view.base  # writes through the view land in the base
             self._keep.append(v)

@@ -42,7 +42,8 @@ class SessionState:
         self.limits = limits
         self.client = client
         self.tensors: dict[int, torch.Tensor | Poison] = {}
-        self.first_error: tuple[str, str] | None = None
+        self.first_error: tuple[str, str, int] | None = None  # label, message, failing seq
+        self.current_seq = 0  # the message running now
         self.stream = ServerStream(limits)
         self.ops_run = 0
         self.conformed = 0
@@ -78,14 +79,14 @@ class SessionState:
 
     def fail(self, label: str, message: str, outs: Any) -> None:
         """Poison these ids with the op's error; the first error is reported at the next wait."""
-        poison = Poison(label, message)
+        poison = Poison(label, message, self.current_seq)
         for i in outs:
             if i is not None:
                 if self.quota is not None:
                     self.quota.uncharge(i)
                 self.tensors[i] = poison
         if self.first_error is None:
-            self.first_error = (label, message)
+            self.first_error = (label, message, self.current_seq)
 
     def missing_message(self) -> str:
         return f"KeyError: no tensor with id {self.bad} in this session (freed, or never created)"
@@ -106,8 +107,8 @@ class SessionState:
         poisoned."""
         bad = self.bad
         if type(bad) is Poison:
-            return [bad.label, bad.message]
-        return [label, f"KeyError: no tensor with id {bad} in this session"]
+            return [bad.label, bad.message, bad.seq]
+        return [label, f"KeyError: no tensor with id {bad} in this session", self.current_seq]
 
     def written_ids(self, resolved: Any, args: list, kwargs: dict | None) -> list[int]:
         """Ids of the tensors an in-place or out= op writes: they must not silently keep old data."""
@@ -125,9 +126,8 @@ class SessionState:
         """Waited messages report a pending streamed failure instead of running."""
         if self.first_error is None:
             return False
-        label, message = self.first_error
-        self.first_error = None
-        self.reply(seq, Status.ERROR, [label, message])
+        error, self.first_error = self.first_error, None
+        self.reply(seq, Status.ERROR, list(error))
         return True
 
     def charge(self, label: str, ids: Any, report: bool = True) -> bool:
@@ -138,9 +138,9 @@ class SessionState:
         for i in ids:
             if i is not None:
                 self.quota.uncharge(i)
-                self.tensors[i] = Poison(label, message)
+                self.tensors[i] = Poison(label, message, self.current_seq)
         if report and self.first_error is None:
-            self.first_error = (label, message)
+            self.first_error = (label, message, self.current_seq)
         return False
 
     # -- replies and facts -------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""Where each op was issued: a failure the server reports at a later wait names the line (and, in
+a notebook, the cell) that queued the op, not the line that happened to wait.
+
+Off by default (it walks a few stack frames per op); the Jupyter extension turns it on
+(`rgpu.settings.op_sites`). Sites are kept run-length encoded by message number, bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable
+
+import torch
+
+import rgpu_protocol
+
+LIMIT = 1 << 20  # runs kept; the oldest half goes when full
+# filename -> how to name it; the Jupyter extension names a cell's code "cell [7]"
+name_file: Callable[[str], str | None] | None = None
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.dirname(torch.__file__) + os.sep,
+        os.path.dirname(os.path.abspath(__file__)) + os.sep,
+        os.path.dirname(rgpu_protocol.__file__) + os.sep,
+        *(sysconfig.get_paths()[k] + os.sep for k in ("stdlib", "purelib", "platlib")),
+    }
+)
+
+
+def in_library(filename: str) -> bool:
+    """A file of torch, rgpu, the standard library or an installed package (not the user's)."""
+    return filename.startswith(_LIBRARY_DIRS) or filename.startswith("<frozen")
+
+
+class OpSites:
+    def __init__(self) -> None:
+        self._seqs = array("q")  # the first message of each run
+        self._sites = array("l")  # ...and where that run was issued (an index into _table)
+        self._table: list[tuple[str, int]] = []
+        self._index: dict[tuple[str, int], int] = {}
+        self._library: dict = {}  # code object -> inside torch, rgpu or the standard library
+
+    def note(self, seq: int, depth: int = 2) -> None:
+        """Message `seq` is being queued: remember the innermost frame outside the libraries."""
+        f = sys._getframe(depth)
+        library = self._library
+        while f is not None:
+            code = f.f_code
+            inside = library.get(code)
+            if inside is None:
+                inside = library[code] = in_library(code.co_filename)
+            if not inside:
+                break
+            f = f.f_back
+        if f is None:
+            return
+        key = (f.f_code.co_filename, f.f_lineno)
+        i = self._index.get(key)
+        if i is None:
+            i = self._index[key] = len(self._table)
+            self._table.append(key)
+        if self._sites and self._sites[-1] == i:
+            return
+        self._seqs.append(seq)
+        self._sites.append(i)
+        if len(self._seqs) > LIMIT:
+            del self._seqs[: LIMIT // 2]
+            del self._sites[: LIMIT // 2]
+
+    def site(self, seq: int | None) -> str | None:
+        """Where message `seq` was queued, as words: "cell [7], line 4" or "train.py, line 30"."""
+        if seq is None or not self._seqs:
+            return None
+        k = bisect_right(self._seqs, seq) - 1
+        if k < 0:
+            return None
+        filename, line = self._table[self._sites[k]]
+        named = name_file(filename) if name_file is not None else None
+        return f"{named or os.path.basename(filename)}, line {line}"
