@@ -61,6 +61,7 @@ class RgpuMagics(Magics, Configurable):
     @observe("op_sites")
     def _op_sites_changed(self, change: dict) -> None:
         rgpu.settings.op_sites = change["new"]
+
     @default("progress_mb")
     def _progress_mb_default(self) -> float:
         return rgpu.settings.progress_bytes / (1 << 20)
