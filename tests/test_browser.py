@@ -169,7 +169,9 @@ def test_widget_counters_move_while_the_cell_runs(jupyterlab):
             page.wait_for_selector(".rgpu-live .rgpu-messages", timeout=30_000)
             first = _counters(page)
             deadline = time.monotonic() + 20
-            while first[0] != "running [1]" or first[1] == 0:  # the training loop has started
+            # the training loop has started: its first loss.item() has come back (the first
+            # forward imports Dynamo for meta inference, seconds on a loaded machine)
+            while first[0] != "running [1]" or first[2] == 0:
                 assert time.monotonic() < deadline, first
                 page.wait_for_timeout(100)
                 first = _counters(page)
