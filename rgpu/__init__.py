@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 from . import _registration
+from . import generation as _generation
 from .compile import compile_backend
 from .current import connect, disconnect
 from .current import current as _current
@@ -62,6 +63,7 @@ from .session import Counters
 from .tensor import RemoteTensor
 
 _registration.register()
+_generation.install()
 
 
 def stats() -> dict:

@@ -128,6 +128,9 @@ FIELDS: dict[str, Setting] = {
                                "content"),
     "progress_bytes": Setting("RGPU_PROGRESS_BYTES", _count, "transfers of at least this many "
                               "bytes show a progress bar (0: never)"),
+    "generate_lookahead": Setting("RGPU_GENERATE_LOOKAHEAD", _count, "decode steps a Hugging "
+                                  "Face generate() runs ahead of its stop check (0: one wait "
+                                  "per token)"),
 }  # fmt: skip
 
 
@@ -153,6 +156,7 @@ class Config:
     dedup: bool = True
     dedup_min_bytes: int = 4096
     progress_bytes: int = 64 << 20
+    generate_lookahead: int = 8
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:

@@ -16,6 +16,7 @@ class Settings:
 
     def __init__(self) -> None:
         self._progress_bytes: int | None = None
+        self._generate_lookahead: int | None = None
         self._op_sites = False
         self._sessions: weakref.WeakSet = weakref.WeakSet()
 
@@ -45,13 +46,29 @@ class Settings:
     def progress_bytes(self, value: int) -> None:
         self._progress_bytes = int(value)
 
+    @property
+    def generate_lookahead(self) -> int:
+        """How many decode steps a Hugging Face `generate()` on rgpu may run before it waits for
+        the answer to "has every sequence finished?" (rgpu.generation); 0: wait every token.
+        Until set here, the session's RGPU_GENERATE_LOOKAHEAD (8) decides."""
+        if self._generate_lookahead is not None:
+            return self._generate_lookahead
+        return _session_default[1]
 
-_session_default = [DEFAULT.progress_bytes]  # the current session's RGPU_PROGRESS_BYTES
+    @generate_lookahead.setter
+    def generate_lookahead(self, value: int) -> None:
+        if int(value) < 0:
+            raise ValueError(f"generate_lookahead must be 0 or more, not {value}")
+        self._generate_lookahead = int(value)
+
+
+# the current session's RGPU_PROGRESS_BYTES and RGPU_GENERATE_LOOKAHEAD
+_session_default = [DEFAULT.progress_bytes, DEFAULT.generate_lookahead]
 
 
 def use_config(config: Config) -> None:
     """A session with this config became the current one."""
-    _session_default[0] = config.progress_bytes
+    _session_default[:] = [config.progress_bytes, config.generate_lookahead]
 
 
 settings = Settings()

@@ -279,6 +279,13 @@ class TransferMixin:
 
         Read it after `torch.rgpu.synchronize()` or once an `rgpu.Event` recorded after this
         call reports done; a failure is raised at the next wait. No wait is spent here."""
+        return self.download_later(w, into)[0]
+
+    def download_later(
+        self, w: Any, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Waiter]:
+        """`download_async`, with the waiter that says when the tensor is filled (`wait_for`
+        it, or look at its event): for loops that read results a few steps behind."""
         numel = w.numel()
         shape = tuple(w.shape)  # the closures below must not keep `w` alive: freed on the reader
         # thread, its FREE would join the stream at a moment that depends on timing
@@ -303,9 +310,9 @@ class TransferMixin:
                 self.async_error = e
 
         self.check_async_error()
-        self.request_async((Kind.DOWNLOAD, w), sink, on_done=done, detached=True)
+        waiter = self.request_async((Kind.DOWNLOAD, w), sink, on_done=done, detached=True)
         self.async_readbacks += 1
-        return target
+        return target, waiter
 
     def record_event(self) -> Waiter:
         """A marker in the op stream: its waiter finishes once the server has run everything
