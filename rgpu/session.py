@@ -107,9 +107,11 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         local_process: Any = None,
         transport: Any = None,
     ) -> None:
-        """`transport`, when given, carries the connection (an SSH tunnel): before every
-        reconnect, `transport.ensure()` re-opens it if it died and returns the URL to use; the
-        session calls `transport.stop()` when it ends."""
+        """`transport`, when given, carries the connection (an SSH tunnel, a Slurm job):
+        before every reconnect, `transport.ensure()` re-opens it if it died and returns the URL
+        to use (or raises `SessionLost` when the server is gone for good); the session calls
+        `transport.stop()` when it ends. When the server shuts down, an optional
+        `transport.ended()` may return the `SessionLost` that says why."""
         self.config = config = config if config is not None else Config.from_env()
         self.transport = transport
         self.local_process = local_process

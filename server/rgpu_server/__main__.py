@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from rgpu_protocol import DEFAULT_LIMITS
 
-from . import __version__
+from . import __version__, idle
 from .app import LOOPBACK, RgpuServer, ServerConfig, pick_device
 
 
@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_LIMITS.max_message >> 20,
         help="largest websocket message accepted, in MiB (default %(default)s)",
+    )
+    lim.add_argument(
+        "--idle-exit",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop when no client has used the server for S seconds (for a server that holds a "
+        "batch job's GPU; default: never)",
     )
     p.add_argument("--version", action="version", version=f"rgpu-server {__version__}")
     # for the embedded server a client starts: read the token from stdin, print the URL on stdout,
@@ -212,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("no token: any process that can reach %s can use this GPU", srv.url)
         if args.announce:
             print(f"RGPU_SERVER={srv.url}", flush=True)
+        if args.idle_exit:
+            idle.watch(srv, args.idle_exit)
 
     if args.exit_with_stdin:
 
