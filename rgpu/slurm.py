@@ -219,7 +219,7 @@ class SlurmTransport:
                 raise self._step_lost()
             state = self.job.state()
             if state.ended:
-                raise self.job.lost(state)
+                raise self.ended(ENDED_WAIT_S) or self.job.lost(state)
             return self.tunnel.ensure()
 
     def ended(self, wait: float = ENDED_WAIT_S) -> SessionLost | None:
@@ -233,6 +233,10 @@ class SlurmTransport:
                 state = self.job.state()
             except ConnectError:
                 return None
+            settling = state.state == "COMPLETING"  # its final state (CANCELLED...) follows
+            if settling and time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
             if state.ended or (self.server is None and state.state != "RUNNING"):
                 return self.job.lost(state)
             if time.monotonic() > deadline:

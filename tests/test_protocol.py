@@ -199,4 +199,3 @@ def test_plain_values_roundtrip_or_are_refused_by_limits(value):
         assert p.unpack_one(ENC.encode(value)) == value
     except p.LimitExceeded:
         pass
-

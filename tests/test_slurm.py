@@ -22,7 +22,7 @@ import slurm_cluster
 import ssh_host
 import torch
 import torch.nn.functional as F
-from rgpu_test_servers import ServerProcess, port_of
+from rgpu_test_servers import ServerProcess
 from slurm_cluster import NODE, SlurmCluster
 from ssh_host import SshHost, accepts, free_port
 
@@ -33,6 +33,7 @@ from rgpu.slurm import SlurmTransport
 from rgpu.slurm_target import (
     JobFailed,
     NodeUnreachable,
+    SlurmError,
     SlurmMissing,
     SlurmRefused,
     job_script,
@@ -207,7 +208,10 @@ def test_a_job_starts_trains_like_the_cpu_and_disconnect_cancels_it(slurm, caplo
     said = "\n".join(caplog.messages)
     assert f"submitted Slurm job {job} to rgpu-test" in said
     assert f"Slurm job {job}: RUNNING on {NODE}; starting rgpu-server there" in said
-    assert f"connected through Slurm: 127.0.0.1:{transport.tunnel.local_port} -> Slurm job {job}" in said
+    assert (
+        f"connected through Slurm: 127.0.0.1:{transport.tunnel.local_port} -> Slurm job {job}"
+        in said
+    )
     torch.testing.assert_close(train("rgpu"), train("cpu"))
     # the token: in no command line, no environment, no file (the job deleted it), no log
     token = session.token
@@ -235,7 +239,7 @@ def test_a_pending_job_shows_its_state_and_ctrl_c_cancels_it(slurm):
     blocker = c.run("sbatch", "--parsable", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 300")
     assert blocker.returncode == 0, blocker.stderr
     blocker = blocker.stdout.strip()
-    code = "import rgpu\nrgpu.connect('slurm://rgpu-test?workdir=%s')\n" % slurm["workdir"]
+    code = f"import rgpu\nrgpu.connect('slurm://rgpu-test?workdir={slurm['workdir']}')\n"
     p = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
         seen = []
@@ -255,3 +259,148 @@ def test_a_pending_job_shows_its_state_and_ctrl_c_cancels_it(slurm):
     assert f"rgpu: cancelled Slurm job {job}" in rest and "KeyboardInterrupt" in rest, rest
     assert final_state(c, job).startswith("CANCELLED|")
     assert not list(Path(slurm["workdir"]).iterdir())  # its directory (and token file) are gone
+
+
+def test_a_job_cancelled_mid_session_ends_it_with_slurms_reason(slurm):
+    c = slurm["cluster"]
+    session = rgpu.connect(f"slurm://rgpu-test?workdir={slurm['workdir']}")
+    x = torch.arange(6.0, device="rgpu")
+    assert x.sum().item() == 15
+    job = session.transport.job.id
+    assert c.run("scancel", job).returncode == 0  # an admin, or the user in another terminal
+    with pytest.raises(rgpu.SessionLost) as info:
+        for _ in range(100):
+            (x * 2).sum().item()
+            time.sleep(0.1)
+    msg = str(info.value)
+    assert f"Slurm job {job} on {NODE} ended (CANCELLED" in msg and "rgpu.connect()" in msg
+    assert f"JOB {job} ON {NODE} CANCELLED AT" in msg  # slurmstepd's own line, from the output
+    assert session.state == "lost"
+    rgpu.disconnect()
+    assert final_state(c, job).startswith("CANCELLED|")
+
+
+def test_errors_name_the_cause(slurm):
+    c = slurm["cluster"]
+    workdir = slurm["workdir"]
+    with pytest.raises(
+        SlurmMissing, match=r"no Slurm on rgpu-noslurm: `sbatch` is not on the PATH"
+    ):
+        rgpu.connect("slurm://rgpu-noslurm")
+    with pytest.raises(SlurmRefused) as info:
+        rgpu.connect(f"slurm://rgpu-test?partition=nosuch&workdir={workdir}")
+    msg = str(info.value)
+    assert "sbatch on rgpu-test refused the job" in msg and "Invalid partition name" in msg
+    assert "--partition=nosuch" in msg
+    assert not list(Path(workdir).iterdir()) and not c.jobs()
+    # the job runs, but its server fails: the tail of its output says why
+    fails = f"{sys.executable} -c 'import sys; sys.exit(\"no GPU here, says the server\")'"
+    with pytest.raises(JobFailed) as info:
+        rgpu.connect(
+            f"slurm://rgpu-test?workdir={workdir}", slurm_options={"server_command": fails}
+        )
+    msg = str(info.value)
+    assert "ended (FAILED" in msg and "before its rgpu-server listened" in msg
+    assert "no GPU here, says the server" in msg
+    with pytest.raises(rgpu.ssh.ServerMissing, match="/nonexistent/rgpu-server"):
+        rgpu.connect(f"slurm://rgpu-test?server_command=/nonexistent/rgpu-server&workdir={workdir}")
+    # the server listens, but the node cannot be reached through the login node
+    with pytest.raises(NodeUnreachable) as info:
+        rgpu.connect(
+            f"slurm://rgpu-test?workdir={workdir}", slurm_options={"ssh_command": slurm["cut"]}
+        )
+    msg = str(info.value)
+    assert "could not be reached through rgpu-test" in msg and "The job is cancelled" in msg
+    job = msg.split("Slurm job ")[1].split()[0]
+    assert final_state(c, job).startswith("CANCELLED|")
+    assert rgpu.current_session() is None  # no failed connect left a session behind
+
+
+def test_a_job_reaching_its_time_limit_is_warned_about_then_ends_the_session(slurm, caplog):
+    c = slurm["cluster"]
+    session = rgpu.connect(f"slurm://rgpu-test?partition=short&time=1&workdir={slurm['workdir']}")
+    job = session.transport.job.id
+    w = torch.ones(3, device="rgpu")
+    deadline = time.time() + 10
+    while "reaches its time limit" not in caplog.text and time.time() < deadline:
+        time.sleep(0.2)
+    assert f"Slurm job {job} on {NODE} reaches its time limit in " in caplog.text
+    t0 = time.time()
+    with pytest.raises(rgpu.SessionLost) as info:
+        while time.time() - t0 < 150:
+            w = w + 1
+            w.sum().item()
+            time.sleep(0.5)
+    msg = str(info.value)
+    assert f"Slurm job {job} on {NODE} ended (TIMEOUT (TimeLimit))" in msg
+    assert "DUE TO TIME LIMIT" in msg
+    print(f"\ntime limit: the session ended {time.time() - t0:.0f} s after connect")
+    rgpu.disconnect()
+    assert final_state(c, job).startswith("TIMEOUT|")
+
+
+def test_a_running_job_of_yours_is_used_and_not_cancelled(slurm):
+    c = slurm["cluster"]
+    mine = c.run("sbatch", "--parsable", "-o", "/dev/null", "--wrap", "sleep 300").stdout.strip()
+    try:
+        session = rgpu.connect(f"slurm://rgpu-test?job={mine}")
+        transport = session.transport
+        assert transport.node == NODE and transport.server is not None
+        a = torch.randn(8, 8)
+        torch.testing.assert_close((a.to("rgpu") @ a.to("rgpu")).cpu(), a @ a)
+        rgpu.disconnect()
+        assert not transport.server.alive  # the step ended with its SSH session...
+        time.sleep(1)
+        assert c.state(mine) == "RUNNING|None"  # ...and the job is still yours
+        with pytest.raises(SlurmError, match="is not running"):
+            rgpu.connect("slurm://rgpu-test?job=999999")
+    finally:
+        c.run("scancel", mine)
+
+
+def test_rgpu_run_slurm_runs_a_script_in_a_job_and_cancels_it_after(slurm):
+    c = slurm["cluster"]
+    code = "import torch, rgpu\nprint('value', torch.arange(4.0, device='rgpu').sum().item())\nraise SystemExit(3)"
+    done = subprocess.run(
+        [sys.executable, "-m", "rgpu_run", "--slurm", "rgpu-test", "--partition", "debug",
+         "--time", "5", "--sbatch=--comment=rgpu-run", "--", sys.executable, "-c", code],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "RGPU_SLURM_IDLE_SECONDS": "300"},
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "value 6.0" in done.stdout
+    job = done.stderr.split("rgpu-run: submitted Slurm job ")[1].split()[0]
+    assert f"rgpu-run: Slurm job {job}: RUNNING on {NODE}" in done.stderr
+    assert final_state(c, job).startswith("CANCELLED|")
+    bad = subprocess.run(
+        [sys.executable, "-m", "rgpu_run", "--slurm", "rgpu-test", "--partition", "nosuch",
+         "--", "true"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 255 and "Invalid partition name" in bad.stderr
+    usage = subprocess.run([sys.executable, "-m", "rgpu_run", "--host", "h", "--partition", "p",
+                            "--", "true"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert usage.returncode == 2 and "Slurm options need --slurm" in usage.stderr
+
+
+def test_a_script_that_exits_leaves_no_job_and_percent_rgpu_connects(slurm, capsys):
+    """RGPU_SERVER=slurm://... connects on first use; exiting without disconnect cancels."""
+    c = slurm["cluster"]
+    code = "import torch, rgpu\nprint(torch.ones(2, device='rgpu').sum().item(), rgpu.current_session().transport.job.id)"
+    env = {**os.environ, "RGPU_SERVER": f"slurm://rgpu-test?workdir={slurm['workdir']}"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    value, job = done.stdout.split()
+    assert value == "2.0" and final_state(c, job).startswith("CANCELLED|")
+    import IPython
+    from IPython.testing.globalipapp import start_ipython
+
+    ip = start_ipython() or IPython.get_ipython()
+    ip.run_line_magic("load_ext", "rgpu_jupyter")
+    capsys.readouterr()
+    ip.run_line_magic("rgpu", f"connect slurm://rgpu-test?workdir={slurm['workdir']}")
+    out = capsys.readouterr()
+    assert "rgpu: connected to ws://127.0.0.1:" in out.out, out
+    job = rgpu.current_session().transport.job.id
+    ip.run_line_magic("rgpu", "disconnect")
+    assert final_state(c, job).startswith("CANCELLED|")

@@ -202,6 +202,23 @@ def test_a_killed_tunnel_is_reopened_and_training_resumes_with_identical_losses(
     assert time.time() - t0 < 20
 
 
+def test_a_host_is_reached_through_a_jump_host_with_its_own_port_and_key(fresh):
+    """?jump=user@login:port: a ProxyCommand (`ssh -W`) that carries -p, -i and BatchMode to
+    the hop too (ssh's own -J would drop -i); here the hop and the host are the same sshd."""
+    key = fresh["dir"] / "user_key"
+    hop = f"{fresh['user']}@127.0.0.1:{fresh['port']}"
+    t = parse_ssh_url(f"ssh://rgpu-test?jump={hop}&identity={key}")
+    assert (t.jump.destination, t.jump.ssh_port, t.jump.identity) == (
+        f"{fresh['user']}@127.0.0.1", fresh["port"], str(key))  # fmt: skip
+    session = rgpu.connect(f"ssh://rgpu-test?start=yes&jump={hop}&identity={key}")
+    proxy = [a for a in session.transport.ssh if a.startswith("ProxyCommand=")]
+    assert proxy and f"-p {fresh['port']}" in proxy[0] and f"-i {key}" in proxy[0]
+    assert torch.arange(4, device="rgpu").sum().item() == 6
+    rgpu.disconnect()
+    with pytest.raises(rgpu.ssh.SshUnreachable, match="cannot reach rgpu-test"):
+        rgpu.connect(f"ssh://rgpu-test?start=yes&jump=127.0.0.1:{free_port()}", timeout=3)
+
+
 def test_rgpu_run_runs_a_script_through_a_tunnel_and_passes_its_exit_status(sshd):
     # the child also kills rgpu-run's tunnel: rgpu-run re-opens it on the same local port, and
     # the child's session (which knows nothing of SSH) resumes through it
