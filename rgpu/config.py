@@ -102,7 +102,7 @@ FIELDS: dict[str, Setting] = {
     "proxy": Setting("RGPU_PROXY", _text, "an HTTP or SOCKS proxy for the websocket (the bulk lane "
                      "is not used through one)"),
     "ssh_command": Setting("RGPU_SSH_COMMAND", _text, "the ssh client (and options) for ssh:// "
-                           "URLs"),
+                           "and slurm:// URLs"),
     "slurm_idle_seconds": Setting("RGPU_SLURM_IDLE_SECONDS", _seconds, "the rgpu-server of a "
                                   "slurm:// job stops, ending the job, after this long unused "
                                   "by its client (0: never; `idle=` in the URL wins)"),

@@ -193,6 +193,23 @@ def test_idle_exit_stops_a_server_its_client_no_longer_uses(server):
         srv.stop()
 
 
+def test_idle_exit_waits_less_for_a_first_client_that_never_comes():
+    """A client killed while its job was queued never connects: the server stops after
+    `first` seconds rather than the whole idle time."""
+    from rgpu_server import idle
+
+    class Server:
+        sessions: dict = {}
+        stopped_at = None
+
+        def stop(self):
+            self.stopped_at = time.monotonic()
+
+    srv, t0 = Server(), time.monotonic()
+    idle.watch(srv, seconds=3600, first=0.5).join(5)
+    assert srv.stopped_at is not None and srv.stopped_at - t0 < 2
+
+
 def test_a_job_starts_trains_like_the_cpu_and_disconnect_cancels_it(slurm, caplog):
     caplog.set_level(logging.INFO, logger="rgpu")
     c = slurm["cluster"]

@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="S",
-        help="stop when no client has used the server for S seconds (for a server that holds a "
-        "batch job's GPU; default: never)",
+        help="stop when no client has used the server for S seconds, or (if sooner) when none "
+        f"has connected {idle.FIRST_CLIENT_S:.0f} s after start: for a server that holds a batch "
+        "job's GPU (default: never)",
     )
     p.add_argument("--version", action="version", version=f"rgpu-server {__version__}")
     # for the embedded server a client starts: read the token from stdin, print the URL on stdout,
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         token = None
     elif args.token_stdin:
         token = sys.stdin.readline().strip() or None
+        if not args.exit_with_stdin:  # stdin was the token's file: keep no way back to it
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
     else:
         token = args.token or os.environ.get("RGPU_TOKEN") or None
     generated = token is None and not args.no_token

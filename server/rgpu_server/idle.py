@@ -3,7 +3,9 @@
 For a server that holds a scarce allocation (a Slurm job's GPU): a client that died without
 saying goodbye, or a notebook left open overnight, must not keep it. Used means a frame arrived
 from a client or a session's worker was busy; pings from a connected but idle client do not
-count. Stopping is the ordinary graceful shutdown (clients get "going away").
+count. Until a first client connects the limit is at most FIRST_CLIENT_S: the client that asked
+for this server connects seconds after it listens, so one that has not by then is gone (killed
+while its job was queued). Stopping is the ordinary graceful shutdown (clients get "going away").
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from collections.abc import Callable
 
 log = logging.getLogger("rgpu_server")
+
+FIRST_CLIENT_S = 300.0
 
 
 def activity(server) -> tuple:
@@ -28,20 +32,28 @@ def activity(server) -> tuple:
     )
 
 
-def watch(server, seconds: float, clock: Callable[[], float] = time.monotonic) -> threading.Thread:
-    """Start a daemon thread that calls `server.stop()` after `seconds` without activity."""
+def watch(
+    server,
+    seconds: float,
+    first: float = FIRST_CLIENT_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> threading.Thread:
+    """Start a daemon thread that calls `server.stop()` after `seconds` without activity (at
+    most `first` seconds before the first client)."""
 
     def run() -> None:
         last, since = activity(server), clock()
-        step = max(0.05, min(5.0, seconds / 10))
+        limit = min(seconds, first)
+        step = max(0.05, min(5.0, limit / 10))
         while True:
             time.sleep(step)
             now = activity(server)
             if now != last or now[2]:
-                last, since = now, clock()
-            elif clock() - since >= seconds:
+                last, since, limit = now, clock(), seconds
+            elif clock() - since >= limit:
+                what = "used" if limit == seconds else "connected to"
                 print(
-                    f"rgpu-server: no client used this server for {seconds:.0f} s (--idle-exit); "
+                    f"rgpu-server: no client {what} this server for {limit:g} s (--idle-exit); "
                     "stopping",
                     file=sys.stderr,
                     flush=True,
