@@ -233,11 +233,12 @@ class SlurmTransport:
                 state = self.job.state()
             except ConnectError:
                 return None
-            settling = state.state == "COMPLETING"  # its final state (CANCELLED...) follows
+            # COMPLETING: its final state (CANCELLED, TIMEOUT...) follows; ?: squeue failed
+            settling = state.state in ("COMPLETING", "?")
             if settling and time.monotonic() < deadline:
                 time.sleep(0.5)
                 continue
-            if state.ended or (self.server is None and state.state != "RUNNING"):
+            if state.ended or (self.server is None and state.state not in ("RUNNING", "?")):
                 return self.job.lost(state)
             if time.monotonic() > deadline:
                 return None
@@ -263,15 +264,16 @@ class SlurmTransport:
             try:
                 state = self.job.state()
             except ConnectError:
+                state = JobState("?")
+            if state.state == "?":  # Slurm did not answer: trust the last time left
                 state = JobState("RUNNING", time_left=left - (time.monotonic() - at))
             if state.ended:
                 return
             left, at = state.time_left, time.monotonic()
             if left is not None and left <= warn + 1:
                 log.warning(
-                    "rgpu: %s on %s reaches its time limit in %s: its rgpu tensors are gone when "
-                    "it ends. Save what you need now (e.g. torch.save(model.state_dict()) after "
-                    ".cpu()).",
+                    "rgpu: %s on %s reaches its time limit in %s; every rgpu tensor of this "
+                    "session is gone when it ends: save what you need now.",
                     self.job, self.node, minutes(left),
                 )  # fmt: skip
                 return

@@ -44,13 +44,16 @@ class NodeUnreachable(SlurmError):
 class JobState:
     """One line of `squeue` about a job."""
 
-    state: str  # PENDING, RUNNING, CANCELLED, TIMEOUT, ... ("" when Slurm no longer knows it)
+    # PENDING, RUNNING, CANCELLED, TIMEOUT, ...; "" when Slurm no longer knows the job; "?"
+    # when squeue failed (a busy or restarting controller: not a reason to give up on the job)
+    state: str
     reason: str = ""  # why it pends or ended (Slurm's words: Resources, Priority, TimeLimit...)
     node: str = ""
     time_left: float | None = None  # seconds until the time limit; None: no limit or unknown
+    said: str = ""  # what squeue printed instead, for "?"
 
     LIVE = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-            "REQUEUE_FED", "RESIZING", "STOPPED")  # fmt: skip
+            "REQUEUE_FED", "RESIZING", "STOPPED", "?")  # fmt: skip
 
     @property
     def ended(self) -> bool:
@@ -59,6 +62,8 @@ class JobState:
     def describe(self) -> str:
         if self.state == "RUNNING":
             return f"RUNNING on {self.node}"
+        if self.state == "?":
+            return f"unknown (squeue said: {self.said})"
         if not self.state:
             return "no longer known to Slurm (it ended)"
         reason = self.reason if self.reason and self.reason != "None" else ""
@@ -68,13 +73,19 @@ class JobState:
 STATE_FORMAT = "%T|%r|%N|%L"  # squeue -o: state, reason, nodes, time left
 
 
+GONE = "Invalid job id"  # squeue's words for a job it no longer knows
+
+
 def parse_state(line: str) -> JobState:
-    """A `squeue -h -o STATE_FORMAT` line; anything else (an error, nothing) is a job Slurm no
-    longer knows."""
-    parts = line.strip().split("|")
-    if len(parts) != 4 or not re.fullmatch(r"[A-Z_]+", parts[0]):
+    """A `squeue -h -o STATE_FORMAT` line. Nothing, or "Invalid job id", is a job Slurm no
+    longer knows; any other error is an unknown state."""
+    line = line.strip()
+    parts = line.split("|")
+    if len(parts) == 4 and re.fullmatch(r"[A-Z_]+", parts[0]):
+        return JobState(parts[0], parts[1], parts[2], parse_duration(parts[3]))
+    if not line or GONE in line:
         return JobState("")
-    return JobState(parts[0], parts[1], parts[2], parse_duration(parts[3]))
+    return JobState("?", said=line[-200:])
 
 
 def parse_duration(text: str) -> float | None:
@@ -230,21 +241,23 @@ def submit_script(target: SlurmTarget, name: str) -> str:
 def watch_script(job: str, directory: str | None) -> str:
     """Run on the login node while a job starts: prints ``STATE|...`` whenever squeue's line
     changes, and ends with ``RGPU_SERVER=...`` (the server listens; ``RGPU_NODE=`` before it)
-    or ``ENDED`` and the tail of the job's output. squeue runs every 0.5 s for the first 10 s,
+    or ``ENDED`` and the tail of the job's output (a squeue error is shown, not taken for the
+    job's end). squeue runs every 0.5 s for the first 10 s,
     then every 5 s, so a long queue does not load the controller."""
     out = shlex.quote(f"{directory}/job.out") if directory else "/dev/null"
-    live = "|".join(f"{s}*" for s in JobState.LIVE)
+    live = "|".join(f"{s}'|'*" for s in JobState.LIVE if s != "?")
     return (
         f"job={shlex.quote(job)}; out={out}; last=; i=0\n"
         "while :; do\n"
-        "  if [ $i -lt 20 ] || [ $((i % 10)) -eq 0 ]; then\n"
+        '  ready=; [ -f "$out" ] && grep -q \'^RGPU_SERVER=\' "$out" && ready=1\n'
+        '  if [ -n "$ready" ] || [ $i -lt 20 ] || [ $((i % 10)) -eq 0 ]; then\n'
         f"    s=$(squeue --states=all -h -j \"$job\" -o '{STATE_FORMAT}' 2>&1 | head -n 1)\n"
         '    [ "$s" = "$last" ] || { echo "STATE|$s"; last=$s; }\n'
         "  fi\n"
-        '  if [ -f "$out" ] && grep -q \'^RGPU_SERVER=\' "$out"; then\n'
-        "    grep -E '^RGPU_(NODE|SERVER)=' \"$out\"; exit 0\n"
-        "  fi\n"
-        f'  case "$last" in {live}) ;; *) echo ENDED; tail -n 30 "$out" 2>/dev/null; exit 0;; esac\n'
+        '  if [ -n "$ready" ]; then grep -E \'^RGPU_(NODE|SERVER)=\' "$out"; exit 0; fi\n'
+        f'  case "$last" in {live}) ;; ""|*"{GONE}"*|[A-Z]*"|"*)\n'
+        '    echo ENDED; tail -n 30 "$out" 2>/dev/null; exit 0;;\n'
+        "  esac\n"
         "  i=$((i + 1)); sleep 0.5 2>/dev/null || sleep 1\n"
         "done\n"
     )

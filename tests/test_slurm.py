@@ -167,6 +167,8 @@ def test_slurm_urls_scripts_and_squeue_lines_parse():
     assert (s.state, s.ended, s.describe(), s.time_left) == (
         "PENDING", False, "PENDING (Resources)", 3600.0)  # fmt: skip
     assert parse_state("slurm_load_jobs error: Invalid job id specified").ended
+    busy = parse_state("slurm_load_jobs error: Socket timed out on send/recv operation")
+    assert not busy.ended and busy.describe().startswith("unknown (squeue said: slurm_load_jobs")
     assert parse_state("TIMEOUT|TimeLimit|n1|INVALID").describe() == "TIMEOUT (TimeLimit)"
     # a hostile device name stays one word for the job's shell
     script = job_script(parse_slurm_url("slurm://h?device=cuda; rm -rf ~"), idle=60)
