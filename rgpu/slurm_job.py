@@ -177,12 +177,15 @@ class SlurmJob:
             hint = INSTALL_HINT.format(
                 torch=".".join(torch.__version__.split(".")[:2]), dest=self.login
             ).replace("ssh://", "slurm://")
-            what = f"`{self.target.server_command}`" if self.target.server_command else (
-                "neither `rgpu-server` nor a python with the rgpu_server module")  # fmt: skip
+            node = state.node or "its node"
+            if self.target.server_command:
+                what = f"`{self.target.server_command}` was not found on {node}"
+            else:
+                what = (f"neither `rgpu-server` nor a python with the rgpu_server module is on "
+                        f"the PATH the job inherits from a non-interactive SSH session on "
+                        f"{self.login}")  # fmt: skip
             return ServerMissing(
-                f"{self} found no rgpu-server on {state.node or 'its node'}: {what} is on the "
-                f"PATH the job inherits from a non-interactive SSH session on {self.login}. "
-                f"{hint}\nIts output:\n{tail}"
+                f"{self} found no rgpu-server: {what}. {hint}\nIts output:\n{tail}"
             )
         return JobFailed(
             f"{self} ended ({state.describe()}) before its rgpu-server listened. The end of its "

@@ -43,6 +43,7 @@ class SlurmCluster:
     def __init__(self, d: Path) -> None:
         self.dir = d
         self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
         munge = d / "munge"
         for sub in ("munge", "state", "spool", "log"):
             (d / sub).mkdir(mode=0o755)
@@ -82,6 +83,7 @@ class SlurmCluster:
 
     def _start(self, argv: list[str], name: str) -> None:
         log = open(self.dir / "log" / f"{name}.out", "wb")
+        self._logs.append(log)
         self.procs.append(
             subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              env={**os.environ, "SLURM_CONF": str(self.dir / "slurm.conf")})
@@ -139,3 +141,5 @@ class SlurmCluster:
                     p.kill()
                     p.wait(5)
         self.procs.clear()
+        for log in self._logs:
+            log.close()
