@@ -65,7 +65,8 @@ class SlurmTransport:
         **options: Any,
     ) -> None:
         if isinstance(target, str):
-            options.setdefault("ssh_command", config.ssh_command)
+            if options.get("ssh_command") is None:
+                options["ssh_command"] = config.ssh_command
             target = parse_slurm_url(target, options)
         self.target = target
         self.config = config

@@ -299,6 +299,19 @@ def test_a_job_cancelled_mid_session_ends_it_with_slurms_reason(slurm):
     assert final_state(c, job).startswith("CANCELLED|")
 
 
+def test_a_job_unused_past_its_idle_time_ends_by_itself_and_says_so(slurm):
+    c = slurm["cluster"]
+    session = rgpu.connect(f"slurm://rgpu-test?idle=4&workdir={slurm['workdir']}")
+    job = session.transport.job.id
+    assert torch.ones(3, device="rgpu").sum().item() == 3
+    assert final_state(c, job, timeout=30).startswith("COMPLETED|")  # nobody cancelled it
+    with pytest.raises(rgpu.SessionLost) as info:
+        torch.ones(3, device="rgpu").sum().item()
+    msg = str(info.value)
+    assert f"Slurm job {job} on {NODE} ended (COMPLETED)" in msg
+    assert "no client used this server for 4 s (--idle-exit)" in msg
+
+
 def test_errors_name_the_cause(slurm):
     c = slurm["cluster"]
     workdir = slurm["workdir"]
