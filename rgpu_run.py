@@ -1,16 +1,19 @@
 """`rgpu-run`: run an unmodified script against a remote GPU.
 
     rgpu-run --host user@gpuhost -- python train.py --epochs 3
+    rgpu-run --slurm user@login --partition gpu --gres gpu:1 --time 2:00:00 -- python train.py
     rgpu-run --server ws://127.0.0.1:9720 --token T -- python train.py
 
 The child gets ``RGPU_SERVER`` (and ``RGPU_TOKEN``) in its environment; `import rgpu` there
 connects on first use. With ``--host`` an SSH tunnel (and, when none runs there, an rgpu-server
-on the host) lives exactly as long as the child. Exit status: the child's (128+N if a signal N
-ended it, so 130 after Ctrl-C), 127 if the command was not found, 126 if it could not run, 2
-for a usage error, 255 when the host or server could not be reached.
+on the host) lives exactly as long as the child; with ``--slurm`` so does a Slurm job running
+rgpu-server (its state is shown while it waits; Ctrl-C then cancels it). Exit status: the
+child's (128+N if a signal N ended it, so 130 after Ctrl-C), 127 if the command was not found,
+126 if it could not run, 2 for a usage error, 255 when the host, cluster or server could not be
+reached.
 
 A top-level module, not part of the `rgpu` package: `rgpu-run --help` and `--server` never import
-torch; only `--host` does (for the tunnel).
+torch; only `--host` and `--slurm` do (for the tunnel).
 """
 
 from __future__ import annotations
@@ -27,17 +30,26 @@ from typing import Any
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rgpu-run",
-        usage="rgpu-run [--host [USER@]HOST [options] | --server URL] [--token T] -- COMMAND [ARGS...]",
+        usage="rgpu-run [--host [USER@]HOST | --slurm [USER@]LOGIN | --server URL] [options] "
+        "[--token T] -- COMMAND [ARGS...]",
         description="Run COMMAND (e.g. python train.py) with the rgpu device on a remote GPU: "
         "RGPU_SERVER and RGPU_TOKEN are set in its environment.",
-        epilog="Without --host or --server, RGPU_SERVER from the environment is used (ssh:// URLs "
-        "included). RGPU_SSH_COMMAND sets the ssh client and its options (default: ssh).",
+        epilog="Without --host, --slurm or --server, RGPU_SERVER from the environment is used "
+        "(ssh:// and slurm:// URLs included). RGPU_SSH_COMMAND sets the ssh client and its options "
+        "(default: ssh).",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--host", metavar="[USER@]HOST", help="reach the GPU host over SSH")
-    where.add_argument("--server", metavar="URL", help="ws://, wss:// or ssh:// URL of a server")
+    where.add_argument(
+        "--slurm",
+        metavar="[USER@]LOGIN",
+        help="run rgpu-server as a Slurm job, submitted over SSH to this login node",
+    )
+    where.add_argument(
+        "--server", metavar="URL", help="ws://, wss://, ssh:// or slurm:// URL of a server"
+    )
     p.add_argument("--token", help="the server's token (default: RGPU_TOKEN)")
-    ssh = p.add_argument_group("with --host")
+    ssh = p.add_argument_group("with --host (and --slurm: the SSH port, key, client and server)")
     ssh.add_argument("--ssh-port", type=int, metavar="N", help="SSH port of the host")
     ssh.add_argument("-i", "--identity", metavar="KEY", help="SSH private key file")
     ssh.add_argument(
@@ -59,7 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
         "rgpu_server)",
     )
     ssh.add_argument("--ssh-command", metavar="CMD", help="local ssh client and options")
-    p.add_argument("-q", "--quiet", action="store_true", help="no line about the tunnel")
+    slurm = p.add_argument_group("with --slurm (sbatch's options of the same names)")
+    for name in ("partition", "gres", "gpus", "cpus", "mem", "time", "account", "qos",
+                 "constraint"):  # fmt: skip
+        flag = "--cpus-per-task" if name == "cpus" else None
+        slurm.add_argument(f"--{name}", metavar=name.upper(), help=flag and f"sbatch {flag}")
+    slurm.add_argument(
+        "--sbatch", metavar="ARGS", help="more sbatch arguments, one string: --sbatch='--exclusive'"
+    )
+    slurm.add_argument("--job", metavar="ID", help="start the server in this running job of yours")
+    slurm.add_argument(
+        "--idle", type=float, metavar="S", help="the job ends after S seconds unused (default 3600)"
+    )
+    p.add_argument(
+        "-q", "--quiet", action="store_true", help="no lines about the tunnel or the job"
+    )
     p.add_argument("--timeout", type=float, default=10.0, help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
     return p
@@ -77,16 +103,30 @@ def _ssh_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+SLURM_ONLY = ("partition", "gres", "gpus", "cpus", "mem", "time", "account", "qos", "constraint",
+              "sbatch", "job", "idle")  # fmt: skip
+
+
+def _slurm_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = {name: getattr(args, name) for name in SLURM_ONLY}
+    options.update(identity=args.identity, server_command=args.server_command,
+                   device=args.device, ssh_command=args.ssh_command)  # fmt: skip
+    return options
+
+
 def _keep_open(tunnel: Any, done: threading.Event) -> None:
     """Re-open the tunnel when its ssh dies: the child reconnects to the same local port."""
+    from rgpu import SessionLost
+
     while not done.wait(0.5):
         if not tunnel.alive:
             try:
                 tunnel.ensure()
+            except SessionLost as e:  # the server (or its job) is gone for good
+                print(f"rgpu-run: {e}", file=sys.stderr)
+                return
             except Exception as e:  # the child's reconnect gives up in its own time
                 print(f"rgpu-run: {e}", file=sys.stderr)
-                if tunnel.server is not None and not tunnel.server.alive:
-                    return
 
 
 def _run(command: list[str], env: dict[str, str]) -> int:
@@ -121,17 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no command to run (put it after --)")
-    server = args.server or (None if args.host else os.environ.get("RGPU_SERVER"))
+    server = args.server or (None if (args.host or args.slurm) else os.environ.get("RGPU_SERVER"))
     if args.host:
         server = "ssh://" + args.host
-    elif any(v is not None for v in _ssh_options(args).values()):
-        if not (server or "").lower().startswith("ssh://"):
-            p.error("SSH options need --host (or an ssh:// --server)")
+    elif args.slurm:
+        server = "slurm://" + args.slurm
+        if args.ssh_port:
+            server += f":{args.ssh_port}"
+    scheme = (server or "").split("://")[0].lower() if "://" in (server or "") else ""
+    if scheme != "slurm" and any(getattr(args, n) is not None for n in SLURM_ONLY):
+        p.error("Slurm options need --slurm (or a slurm:// --server)")
+    if scheme == "slurm" and (args.remote_port or args.start):
+        p.error("--remote-port and --start are for --host; a Slurm job starts its own server")
+    if scheme == "slurm" and args.token:
+        p.error("a Slurm job makes its own token: leave --token out")
+    if scheme not in ("ssh", "slurm") and any(v is not None for v in _ssh_options(args).values()):
+        p.error("SSH options need --host or --slurm (or an ssh:// or slurm:// --server)")
     if not server:
-        p.error("say where the GPU is: --host [USER@]HOST or --server URL (or set RGPU_SERVER)")
+        p.error(
+            "say where the GPU is: --host [USER@]HOST, --slurm [USER@]LOGIN or --server URL (or "
+            "set RGPU_SERVER)"
+        )
     env = dict(os.environ)
     token = args.token or os.environ.get("RGPU_TOKEN")
-    if not server.lower().startswith("ssh://"):
+    if scheme not in ("ssh", "slurm"):
         env["RGPU_SERVER"] = server
         if args.token:
             env["RGPU_TOKEN"] = args.token
@@ -139,12 +192,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from rgpu import RgpuError
     from rgpu.config import Config
-    from rgpu.ssh import SshTunnel
+
+    def say(line: str) -> None:
+        if not args.quiet:
+            print(f"rgpu-run: {line}", file=sys.stderr, flush=True)
 
     try:
-        options = _ssh_options(args)
-        options["ssh_command"] = options["ssh_command"] or Config.from_env().ssh_command
-        tunnel = SshTunnel(server, token=token, timeout=args.timeout, **options)
+        config = Config.from_env()
+        if scheme == "slurm":
+            from rgpu.slurm import SlurmTransport
+
+            options = _slurm_options(args)
+            options["ssh_command"] = options["ssh_command"] or config.ssh_command
+            tunnel: Any = SlurmTransport(
+                server, timeout=args.timeout, config=config, on_state=say, **options
+            )
+        else:
+            from rgpu.ssh import SshTunnel
+
+            options = _ssh_options(args)
+            options["ssh_command"] = options["ssh_command"] or config.ssh_command
+            tunnel = SshTunnel(server, token=token, timeout=args.timeout, **options)
         tunnel.start()
     except RgpuError as e:  # ConnectError, or a bad RGPU_* setting
         print(f"rgpu-run: {e}", file=sys.stderr)
@@ -158,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             env["RGPU_TOKEN"] = tunnel.token
         else:
             env.pop("RGPU_TOKEN", None)
-        if not args.quiet:
-            print(f"rgpu-run: {tunnel.describe()}", file=sys.stderr, flush=True)
+        say(tunnel.describe())
         threading.Thread(target=_keep_open, args=(tunnel, done), daemon=True).start()
         return _run(command, env)
     finally:

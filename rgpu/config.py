@@ -104,7 +104,12 @@ FIELDS: dict[str, Setting] = {
     "proxy": Setting("RGPU_PROXY", _text, "an HTTP or SOCKS proxy for the websocket (the bulk lane "
                      "is not used through one)"),
     "ssh_command": Setting("RGPU_SSH_COMMAND", _text, "the ssh client (and options) for ssh:// "
-                           "URLs"),
+                           "and slurm:// URLs"),
+    "slurm_idle_seconds": Setting("RGPU_SLURM_IDLE_SECONDS", _seconds, "the rgpu-server of a "
+                                  "slurm:// job stops, ending the job, after this long unused "
+                                  "by its client (0: never; `idle=` in the URL wins)"),
+    "slurm_warn_seconds": Setting("RGPU_SLURM_WARN_SECONDS", _seconds, "how long before a "
+                                  "slurm:// job's time limit rgpu warns"),
     "allow_version_mismatch": Setting("RGPU_ALLOW_VERSION_MISMATCH", _flag, "1: connect even when "
                                       "the server's torch major.minor differs"),
     "flush_ops": Setting("RGPU_FLUSH_OPS", _positive, "queued messages that make a batch go out"),
@@ -143,6 +148,8 @@ class Config:
     ca_bundle: str | None = None
     proxy: str | None = None
     ssh_command: str | None = None
+    slurm_idle_seconds: float = 3600.0
+    slurm_warn_seconds: float = 600.0
     allow_version_mismatch: bool = False
     flush_ops: int = 128
     flush_bytes: int = 1 << 20

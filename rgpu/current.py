@@ -11,7 +11,7 @@ from typing import Any
 
 from rgpu_protocol import DEFAULT_SEED, Kind
 
-from . import progress, ssh
+from . import progress, slurm, ssh
 from .config import Config
 from .errors import ConnectError, RgpuError
 from .local_server import EmbeddedServer
@@ -45,7 +45,8 @@ def _normalise_url(url: str) -> str:
     scheme = url.split("://", 1)[0].lower()
     if scheme not in ("ws", "wss"):
         raise ConnectError(
-            f"rgpu servers are reached over ws:// or wss:// (or ssh://), not {scheme}:// ({url})"
+            f"rgpu servers are reached over ws:// or wss:// (or ssh://, slurm://), not "
+            f"{scheme}:// ({url})"
         )
     return url
 
@@ -58,16 +59,22 @@ def connect(
     ssh_options: Mapping[str, Any] | None = None,
     session: str | None = None,
     takeover: bool = False,
+    slurm_options: Mapping[str, Any] | None = None,
 ) -> Session:
     """Connect to an rgpu server and make it the current session.
 
     `url` is ``ws://host:port`` (or ``wss://``), ``host:port``, ``"local"`` to start an embedded
     server on this machine, or ``ssh://user@host[:sshport]`` to tunnel to a GPU host over SSH,
     starting a server there if none runs (query or `ssh_options`: port, identity, start, device,
-    server_command, token_file, ssh_command; see rgpu.ssh). Without `url`, ``RGPU_SERVER`` is
-    used, and without that, ``"local"``.
-    `token` defaults to ``RGPU_TOKEN``. Connecting again ends the previous session, and with it
-    every rgpu tensor it held.
+    server_command, token_file, ssh_command; see rgpu.ssh), or
+    ``slurm://user@login-host?partition=gpu&gres=gpu:1&time=02:00:00`` to run the server as a
+    Slurm job and tunnel to its node through the login node (query or `slurm_options`:
+    partition, gres, gpus, cpus, mem, time, account, qos, constraint, sbatch, server_command,
+    device, job, idle, workdir, identity, ssh_command; see rgpu.slurm): the job's state is shown
+    while it waits, Ctrl-C cancels it, and disconnecting cancels it. Without `url`,
+    ``RGPU_SERVER`` is used, and without that, ``"local"``.
+    `token` defaults to ``RGPU_TOKEN`` (a slurm:// job makes its own). Connecting again ends the
+    previous session, and with it every rgpu tensor it held.
 
     `session` (default ``RGPU_SESSION``) opens a *named* session, or re-opens one a client of the
     same token left (a kernel restart, a killed process): it outlives this process on the server
@@ -82,7 +89,10 @@ def connect(
         target = url or config.server or "local"
         if name is not None and _current is not None and _current.name == name:
             _current.close()  # this process holds it: leave it, then open it again below
-        if token is None and "token=" not in target:  # a pasted ?token= URL beats the env
+        scheme = target.split("://", 1)[0].lower() if "://" in target else ""
+        if scheme == "slurm" and token is not None:
+            raise ConnectError("a slurm:// job makes its own token: leave token= out")
+        if token is None and "token=" not in target and scheme != "slurm":  # ?token= beats env
             token = config.token
         if target == "local":
             server = EmbeddedServer(device=config.local_device or "auto")
@@ -103,7 +113,13 @@ def connect(
                 f"started an embedded rgpu server at {server.url} on {opened.device} "
                 f"({opened.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
             )
-        elif target.lower().startswith("ssh://"):
+        elif scheme == "slurm":
+            opened = slurm.open_session(
+                target, timeout=timeout, options=slurm_options, config=config, on_state=announce,
+                name=name, takeover=takeover,
+            )  # fmt: skip
+            announce(f"connected through Slurm: {opened.transport.describe()}")
+        elif scheme == "ssh":
             opened = ssh.open_session(
                 target, token=token, timeout=timeout, options=ssh_options, config=config,
                 name=name, takeover=takeover,

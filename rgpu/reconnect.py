@@ -32,9 +32,16 @@ class ReconnectMixin:
             return
         code = getattr(getattr(exc, "rcvd", None), "code", None)
         if code == CloseCode.GOING_AWAY:
-            self.mark_broken(ConnectionLost(
+            gone = ConnectionLost(
                 f"the rgpu server at {self.url} shut down; this session and its tensors are gone. "
-                "Call rgpu.connect() once a server runs again."))  # fmt: skip
+                "Call rgpu.connect() once a server runs again.")  # fmt: skip
+            ended = getattr(self.transport, "ended", None)
+            if ended is None:
+                self.mark_broken(gone)
+            else:  # the transport may know why (a batch job ended): ask it off this thread
+                threading.Thread(
+                    target=lambda: self.mark_broken(ended() or gone), name="rgpu-ended", daemon=True
+                ).start()
             return
         if code == CloseCode.PROTOCOL_ERROR:
             self.mark_broken(ProtocolViolation(f"the rgpu server closed the connection: {exc}"))

@@ -111,10 +111,13 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         name: str | None = None,
         takeover: bool = False,
     ) -> None:
-        """`transport`, when given, carries the connection (an SSH tunnel): before every
-        reconnect, `transport.ensure()` re-opens it if it died and returns the URL to use; the
-        session calls `transport.stop()` when it ends. `name` opens (or re-opens) a named
-        session, which outlives this process; `takeover` takes it from a client holding it."""
+        """`transport`, when given, carries the connection (an SSH tunnel, a Slurm job):
+        before every reconnect, `transport.ensure()` re-opens it if it died and returns the URL
+        to use (or raises `SessionLost` when the server is gone for good); the session calls
+        `transport.stop()` when it ends. When the server shuts down, an optional
+        `transport.ended()` may return the `SessionLost` that says why. `name` opens (or
+        re-opens) a named session, which outlives this process; `takeover` takes it from a
+        client holding it."""
         self.name = name
         self._takeover = takeover
         self.config = config = config if config is not None else Config.from_env()

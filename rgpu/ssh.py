@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import shlex
 import socket
 import subprocess
@@ -35,6 +34,7 @@ from .ssh_process import (
     free_port,
     popen,
     server_script,
+    ssh_base,
     ssh_error,
     terminate,
 )
@@ -91,13 +91,7 @@ class SshTunnel:
         self.target = target
         self.token = token or target.token
         self.timeout = timeout
-        command = target.ssh_command or "ssh"
-        self.ssh = [*shlex.split(command), "-o", "BatchMode=yes"]
-        self.ssh += ["-o", f"ConnectTimeout={max(1, math.ceil(timeout))}"]
-        if target.ssh_port:
-            self.ssh += ["-p", str(target.ssh_port)]
-        if target.identity:
-            self.ssh += ["-i", target.identity]
+        self.ssh = ssh_base(target, timeout)
         self.remote_port = target.port
         self.local_port: int | None = None
         self.process: subprocess.Popen | None = None

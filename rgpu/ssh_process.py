@@ -4,6 +4,7 @@ errors that say what to do, stopping them; and `RemoteServer`, rgpu-server start
 from __future__ import annotations
 
 import collections
+import math
 import queue
 import secrets
 import shlex
@@ -32,6 +33,29 @@ def popen(argv: list[str], **kwargs: Any) -> subprocess.Popen:
             f"no ssh client `{argv[0]}` on this machine: install OpenSSH's client, or name one in "
             "RGPU_SSH_COMMAND"
         ) from None
+
+
+def ssh_base(target: SshTarget, timeout: float) -> list[str]:
+    """The ssh command line up to the destination: the user's client and options, no prompts, a
+    connect timeout, the port and key of the target, and the hop to reach it through."""
+    argv = [*shlex.split(target.ssh_command or "ssh"), "-o", "BatchMode=yes"]
+    argv += ["-o", f"ConnectTimeout={max(1, math.ceil(timeout))}"]
+    if target.ssh_port:
+        argv += ["-p", str(target.ssh_port)]
+    if target.identity:
+        argv += ["-i", target.identity]
+    if target.jump is not None:
+        argv += ["-o", "ProxyCommand=" + proxy_command(target.jump, timeout)]
+    return argv
+
+
+def proxy_command(hop: SshTarget, timeout: float) -> str:
+    """`ssh -W` through `hop`, as a ProxyCommand: the hop's own port, key and options apply (ssh's
+    own ProxyJump would pass on neither -i nor BatchMode). ssh expands %h and %p to the final
+    host and port; a literal % in our arguments is doubled."""
+    hop_argv = [*ssh_base(hop, timeout), "-T", "-o", "ClearAllForwardings=yes"]
+    quoted = " ".join(shlex.quote(a).replace("%", "%%") for a in hop_argv)
+    return f"{quoted} -W '[%h]:%p' -- {shlex.quote(hop.destination).replace('%', '%%')}"
 
 
 def free_port() -> int:
@@ -97,19 +121,25 @@ def ssh_error(dest: str, rc: int | None, stderr: str, what: str) -> SshError:
     return SshError(f"ssh to {dest} failed ({what}): {said.strip()}")
 
 
+SSH_SERVER_ARGS = "--host 127.0.0.1 --port 0 --announce --token-stdin --exit-with-stdin"
+
+
 def server_script(target: SshTarget) -> str:
-    """The POSIX sh script that starts rgpu-server on the host: the given command, else
-    `rgpu-server` on PATH, else a python that has the module; else it prints RGPU_NO_SERVER and
-    exits 127. The token is not in it: it follows on stdin (`--token-stdin`)."""
-    # files: the user's home on the host (the server runs as the SSH user, with the same rights)
-    args = (
-        "--host 127.0.0.1 --port 0 --announce --token-stdin --exit-with-stdin"
-        ' --data-dir "home=$HOME"'
-    )
+    """The POSIX sh script that starts rgpu-server on the host for an SSH session; the token is
+    not in it: it follows on stdin (`--token-stdin`). Files: the user's home on the host (the
+    server runs as the SSH user, with the same rights)."""
+    args = SSH_SERVER_ARGS + ' --data-dir "home=$HOME"'
     if target.device:
         args += " --device " + shlex.quote(target.device)
-    if target.server_command:
-        return f"exec {target.server_command} {args}"
+    return launch_script(target.server_command, args)
+
+
+def launch_script(server_command: str | None, args: str) -> str:
+    """POSIX sh that runs `server_command ARGS`, else `rgpu-server` on PATH, else a python that
+    has the rgpu_server module; else it prints RGPU_NO_SERVER and exits 127. `args` may end with
+    redirections."""
+    if server_command:
+        return f"exec {server_command} {args}"
     return (
         f"if command -v rgpu-server >/dev/null 2>&1; then exec rgpu-server {args}; fi; "
         "for py in python3 python; do "
@@ -126,12 +156,17 @@ class RemoteServer:
     It listens on the host's 127.0.0.1 on a free port and exits when this SSH session ends.
     """
 
-    def __init__(self, target: SshTarget, ssh: list[str], timeout: float) -> None:
+    def __init__(
+        self, target: SshTarget, ssh: list[str], timeout: float, command: str | None = None
+    ) -> None:
+        """`command`: the remote command line that runs the server (default: `server_script`
+        under `sh -c`); lines ``RGPU_NAME=value`` it prints before the server's go to `said`."""
         self.target = target
         self.token = secrets.token_urlsafe(32)
+        self.said: dict[str, str] = {}
+        command = command or "sh -c " + shlex.quote(server_script(target))
         # ClearAllForwardings: LocalForward lines of ~/.ssh/config must not be set up (or clash) here
-        argv = [*ssh, "-T", "-o", "ClearAllForwardings=yes", "--", target.destination,
-                "sh -c " + shlex.quote(server_script(target))]  # fmt: skip
+        argv = [*ssh, "-T", "-o", "ClearAllForwardings=yes", "--", target.destination, command]
         self.process = popen(
             argv,
             stdin=subprocess.PIPE,
@@ -170,6 +205,9 @@ class RemoteServer:
                 break
             if line.startswith("RGPU_SERVER="):
                 return int(line.rsplit(":", 1)[1].strip("/"))
+            if line.startswith("RGPU_") and "=" in line:
+                key, _, value = line.partition("=")
+                self.said[key] = value
             if line.strip() == "RGPU_NO_SERVER":
                 break
         try:
@@ -181,8 +219,7 @@ class RemoteServer:
 
         hint = INSTALL_HINT.format(torch=".".join(torch.__version__.split(".")[:2]), dest=dest)
         if rc == 255:
-            return_error = ssh_error(dest, rc, said, "starting rgpu-server")
-            raise return_error
+            raise ssh_error(dest, rc, said, "starting rgpu-server")
         if rc == 127 and not self.target.server_command:
             raise ServerMissing(
                 f"no rgpu-server on {dest}: neither `rgpu-server` nor a python with the rgpu_server "

@@ -46,6 +46,9 @@ class SshTarget:
     # the local ssh client and its options: default RGPU_SSH_COMMAND, else "ssh"
     ssh_command: str | None = None
     token: str | None = field(default=None, repr=False)
+    # reach this host through another one (a login node): its own port, key and options apply
+    # to that hop (ssh's ProxyJump would drop -i and the timeouts); ?jump=[user@]host[:port]
+    jump: SshTarget | None = None
 
     @property
     def host(self) -> str:
@@ -55,13 +58,9 @@ class SshTarget:
 _OPTIONS = {f.name for f in fields(SshTarget)} - {"destination"}
 
 
-def parse_ssh_url(url: str, options: Mapping[str, Any] | None = None) -> SshTarget:
-    """``ssh://[user@]host[:sshport][?port=9720&identity=PATH&start=auto|yes|no&...]`` and keyword
-    options (which win over the URL's query) as an `SshTarget`; refuses what ssh would misread."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() != "ssh":
-        raise ConnectError(f"not an ssh:// URL: {url}")
-    netloc = parts.netloc
+def split_netloc(netloc: str, url: str, scheme: str = "ssh") -> tuple[str, str]:
+    """``[user@]host[:port]`` as ("user@host" or "host", port text); refuses what ssh would
+    misread as an option or what a shell would split."""
     user, at, hostport = netloc.rpartition("@")
     if hostport.startswith("["):  # [ipv6]:port
         host, _, rest = hostport[1:].partition("]")
@@ -75,7 +74,29 @@ def parse_ssh_url(url: str, options: Mapping[str, Any] | None = None) -> SshTarg
         or user.startswith("-")
         or any(c in netloc for c in " \t\n'\"\\")
     ):
-        raise ConnectError(f"{url!r} does not name an SSH host (expected ssh://user@host[:port])")
+        raise ConnectError(
+            f"{url!r} does not name an SSH host (expected {scheme}://user@host[:port])"
+        )
+    return (f"{user}@{host}" if at else host), port_text
+
+
+def parse_port(key: str, value: Any, url: str) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ConnectError(f"{key} must be a number, not {value!r} ({url})") from None
+    if not 0 < port < 65536:
+        raise ConnectError(f"{key} {port} is not a TCP port ({url})")
+    return port
+
+
+def parse_ssh_url(url: str, options: Mapping[str, Any] | None = None) -> SshTarget:
+    """``ssh://[user@]host[:sshport][?port=9720&identity=PATH&start=auto|yes|no&...]`` and keyword
+    options (which win over the URL's query) as an `SshTarget`; refuses what ssh would misread."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() != "ssh":
+        raise ConnectError(f"not an ssh:// URL: {url}")
+    destination, port_text = split_netloc(parts.netloc, url)
     values: dict[str, Any] = {}
     if port_text:
         values["ssh_port"] = port_text
@@ -87,19 +108,22 @@ def parse_ssh_url(url: str, options: Mapping[str, Any] | None = None) -> SshTarg
         raise ConnectError(
             f"unknown ssh option(s) {', '.join(unknown)} for {url}; known: {', '.join(sorted(_OPTIONS))}"
         )
-    target = SshTarget(destination=f"{user}@{host}" if at else host)
+    target = SshTarget(destination=destination)
     for key in ("ssh_port", "port"):
         if key in values:
-            try:
-                values[key] = int(values[key])
-            except (TypeError, ValueError):
-                raise ConnectError(f"{key} must be a number, not {values[key]!r} ({url})") from None
-            if not 0 < values[key] < 65536:
-                raise ConnectError(f"{key} {values[key]} is not a TCP port ({url})")
+            values[key] = parse_port(key, values[key], url)
     start = str(values.get("start", "auto")).lower()
     if start not in STARTS:
         raise ConnectError(f"start must be one of {', '.join(STARTS)}, not {start!r} ({url})")
     values["start"] = start
     if values.get("identity"):
         values["identity"] = os.path.expanduser(str(values["identity"]))
+    if isinstance(values.get("jump"), str):  # the hop shares the key and the ssh client
+        hop, hop_port = split_netloc(values["jump"], url)
+        values["jump"] = SshTarget(
+            destination=hop,
+            ssh_port=parse_port("jump port", hop_port, url) if hop_port else None,
+            identity=values.get("identity"),
+            ssh_command=values.get("ssh_command"),
+        )
     return replace(target, **values)

@@ -99,8 +99,8 @@ class RgpuMagics(Magics, Configurable):
         "target",
         nargs="?",
         default=None,
-        help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST or local; for ls: a "
-        "folder; for drop: a session name",
+        help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST, slurm://USER@LOGIN or "
+        "local; for ls: a folder; for drop: a session name",
     )
     @argument(
         "--token", default=None, help="for connect: the server's token (default: $RGPU_TOKEN)"
@@ -118,8 +118,10 @@ class RgpuMagics(Magics, Configurable):
         %rgpu connect [URL | local] [--token T]
             Connect (same rules as rgpu.connect: no URL means $RGPU_SERVER, else an embedded
             local server; ssh://user@host tunnels over SSH, starting a server there if none
-            runs) and print the server, its device and the round-trip time; then show
-            the live widget (unless %config RgpuMagics.widget = False).
+            runs; slurm://user@login?partition=gpu&gres=gpu:1&time=2:00:00 runs the server as a
+            Slurm job, printing its state while it waits (interrupt the kernel to cancel it))
+            and print the server, its device and the round-trip time; then show the live
+            widget (unless %config RgpuMagics.widget = False).
         %rgpu disconnect
             End the session; its tensors are freed on the server.
         %rgpu status
@@ -181,10 +183,15 @@ class RgpuMagics(Magics, Configurable):
         target = args.target
         if target and target != "local" and "://" in target:
             scheme = target.split("://", 1)[0].lower()
-            if scheme not in ("ws", "wss", "ssh"):  # refuse before connect ends the current session
+            if scheme not in (
+                "ws",
+                "wss",
+                "ssh",
+                "slurm",
+            ):  # refuse before connect ends the session
                 raise UsageError(
-                    f"rgpu: servers are reached over ws:// or wss:// (or ssh://), not {scheme}:// "
-                    f"({target})"
+                    f"rgpu: servers are reached over ws:// or wss:// (or ssh://, slurm://), not "
+                    f"{scheme}:// ({target})"
                 )
         try:
             session = rgpu.connect(

@@ -1,20 +1,16 @@
 """Reaching a GPU host over SSH, against a real OpenSSH server.
 
-The test starts Debian's `sshd` on a loopback port with a generated host key and a throwaway user
-key (`.ci/run` installs openssh-server); the "GPU host" is this machine. The client uses the
-system `ssh` with a generated config (`RGPU_SSH_COMMAND="ssh -F CONFIG"`), so nothing here is
-mocked: tunnels, the rgpu-server started on the host, and the token handed over on the SSH
-session's stdin are all real.
+The test starts Debian's `sshd` on a loopback port (tests/ssh_host.py); the "GPU host" is this
+machine. The client uses the system `ssh` with a generated config (`RGPU_SSH_COMMAND="ssh -F
+CONFIG"`), so nothing here is mocked: tunnels, the rgpu-server started on the host, and the token
+handed over on the SSH session's stdin are all real.
 """
 
 from __future__ import annotations
 
-import getpass
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,27 +20,13 @@ import pytest
 import torch
 from loops import mlp_losses
 from rgpu_test_servers import TOKEN_FOR_TESTS, ServerProcess, port_of
+from ssh_host import SshHost, accepts, free_port, missing
 
 import rgpu
 import rgpu.ssh
 from rgpu.ssh import SshTunnel, parse_ssh_url
 
 ROOT = Path(__file__).resolve().parent.parent
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def accepts(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), 1).close()
-        return True
-    except OSError:
-        return False
 
 
 def cmdlines() -> dict[int, str]:
@@ -91,58 +73,23 @@ def exited(pid: int, timeout: float = 15) -> bool:
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    """A real sshd on 127.0.0.1:PORT; yields the ssh client config that reaches it."""
-    if not (os.path.exists(SSHD) and shutil.which("ssh") and shutil.which("ssh-keygen")):
-        pytest.skip("OpenSSH server/client not installed (apt-get install openssh-server)")
-    d = tmp_path_factory.mktemp("sshd")
-    for name in ("host_key", "user_key", "bad_key"):
-        subprocess.run(
-            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True
-        )
-    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
-    (d / "empty_known_hosts").write_text("")
-    if os.geteuid() == 0:
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation dir
-    port = free_port()
-    bindir = os.path.dirname(sys.executable)  # this repo's python and its rgpu-server
-    (d / "sshd_config").write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\n"
-        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPidFile {d / 'sshd.pid'}\n"
-        "StrictModes no\nUsePAM no\nPermitRootLogin prohibit-password\n"
-        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nAllowTcpForwarding yes\n"
-        f"SetEnv PATH={bindir}:/usr/local/bin:/usr/bin:/bin\n"
-    )
-    user = getpass.getuser()
-    (d / "ssh_config").write_text(
-        f"Host rgpu-test-badkey\n  IdentityFile {d / 'bad_key'}\n"
-        f"Host rgpu-test-strict\n  StrictHostKeyChecking yes\n"
-        f"  UserKnownHostsFile {d / 'empty_known_hosts'}\n"
-        f"Host rgpu-test rgpu-test-strict\n  IdentityFile {d / 'user_key'}\n"  # (IdentityFile adds up)
-        f"Host rgpu-test rgpu-test-*\n  HostName 127.0.0.1\n  Port {port}\n  User {user}\n"
-        "Host *\n  IdentitiesOnly yes\n  StrictHostKeyChecking no\n"
-        "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  ConnectTimeout 5\n"
-    )
-    proc = subprocess.Popen(
-        [SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
-        stdout=subprocess.DEVNULL,
-        stderr=open(d / "sshd.log", "wb"),
-    )
-    deadline = time.time() + 10
-    while not accepts(port):
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.skip(f"sshd did not start: {(d / 'sshd.log').read_text()[-500:]}")
-        time.sleep(0.05)
+    """A real sshd on 127.0.0.1:PORT; yields what reaches it (RGPU_SSH_COMMAND is its config)."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    try:
+        host = SshHost(tmp_path_factory.mktemp("sshd"))
+    except RuntimeError as e:
+        pytest.skip(str(e))
     old = os.environ.get("RGPU_SSH_COMMAND")
-    os.environ["RGPU_SSH_COMMAND"] = f"ssh -F {d / 'ssh_config'}"
-    yield {"dir": d, "port": port, "user": user}
+    os.environ["RGPU_SSH_COMMAND"] = host.ssh_command
+    yield {"dir": host.dir, "port": host.port, "user": host.user}
     rgpu.disconnect()
     if old is None:
         os.environ.pop("RGPU_SSH_COMMAND", None)
     else:
         os.environ["RGPU_SSH_COMMAND"] = old
-    proc.terminate()
-    proc.wait(10)
+    host.stop()
 
 
 @pytest.fixture
@@ -253,6 +200,23 @@ def test_a_killed_tunnel_is_reopened_and_training_resumes_with_identical_losses(
             torch.ones(3, device="rgpu").sum().item()
             time.sleep(0.05)
     assert time.time() - t0 < 20
+
+
+def test_a_host_is_reached_through_a_jump_host_with_its_own_port_and_key(fresh):
+    """?jump=user@login:port: a ProxyCommand (`ssh -W`) that carries -p, -i and BatchMode to
+    the hop too (ssh's own -J would drop -i); here the hop and the host are the same sshd."""
+    key = fresh["dir"] / "user_key"
+    hop = f"{fresh['user']}@127.0.0.1:{fresh['port']}"
+    t = parse_ssh_url(f"ssh://rgpu-test?jump={hop}&identity={key}")
+    assert (t.jump.destination, t.jump.ssh_port, t.jump.identity) == (
+        f"{fresh['user']}@127.0.0.1", fresh["port"], str(key))  # fmt: skip
+    session = rgpu.connect(f"ssh://rgpu-test?start=yes&jump={hop}&identity={key}")
+    proxy = [a for a in session.transport.ssh if a.startswith("ProxyCommand=")]
+    assert proxy and f"-p {fresh['port']}" in proxy[0] and f"-i {key}" in proxy[0]
+    assert torch.arange(4, device="rgpu").sum().item() == 6
+    rgpu.disconnect()
+    with pytest.raises(rgpu.ssh.SshUnreachable, match="cannot reach rgpu-test"):
+        rgpu.connect(f"ssh://rgpu-test?start=yes&jump=127.0.0.1:{free_port()}", timeout=3)
 
 
 def test_rgpu_run_runs_a_script_through_a_tunnel_and_passes_its_exit_status(sshd):

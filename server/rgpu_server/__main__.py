@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rgpu_protocol import DEFAULT_LIMITS
 
-from . import __version__
+from . import __version__, idle
 from .app import LOOPBACK, RgpuServer, ServerConfig
 from .datadirs import DataRoots, parse_root
 from .devices import pick_device
@@ -152,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_LIMITS.max_message >> 20,
         help="largest websocket message accepted, in MiB (default %(default)s)",
     )
+    lim.add_argument(
+        "--idle-exit",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop when no client has used the server for S seconds, or (if sooner) when none "
+        f"has connected {idle.FIRST_CLIENT_S:.0f} s after start: for a server that holds a batch "
+        "job's GPU (default: never)",
+    )
     p.add_argument("--version", action="version", version=f"rgpu-server {__version__}")
     # for the embedded server a client starts: read the token from stdin, print the URL on stdout,
     # exit when stdin closes
@@ -223,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         token = None
     elif args.token_stdin:
         token = sys.stdin.readline().strip() or None
+        if not args.exit_with_stdin:  # stdin was the token's file: keep no way back to it
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
     else:
         token = (args.token or [None])[0] or os.environ.get("RGPU_TOKEN") or None
     generated = token is None and not args.no_token
@@ -281,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("no token: any process that can reach %s can use this GPU", srv.url)
         if args.announce:
             print(f"RGPU_SERVER={srv.url}", flush=True)
+        if args.idle_exit:
+            idle.watch(srv, args.idle_exit)
 
     if args.exit_with_stdin:
 
