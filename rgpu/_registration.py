@@ -77,7 +77,7 @@ def register() -> None:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    tensor.install(dispatch.dispatch, special_ops.tensor_repr, compile.guard_default_backend)
+    tensor.install(dispatch.dispatch, special_ops.tensor_repr, _on_first_trace)
     plans.SPECIAL.update(special_ops.HANDLERS)
     _setup_privateuseone_for_python_backend(tensor.DEVICE_TYPE, backend_module=device_module.module)
     tensor.DEVICE = torch.device(tensor.DEVICE_TYPE, 0)
@@ -95,3 +95,27 @@ def register() -> None:
 
     if tensor.RemoteTensor not in _opt._foreach_supported_types:
         _opt._foreach_supported_types.append(tensor.RemoteTensor)
+
+
+def _on_first_trace() -> None:
+    """torch.compile traces a RemoteTensor for the first time (Dynamo is loaded by now)."""
+    compile.guard_default_backend()
+    _constants_stay_fake()
+
+
+def _constants_stay_fake() -> None:
+    """While torch.compile traces, `torch.tensor(data, device="rgpu")` must make a fake tensor.
+
+    FakeTensorMode builds such constants on the CPU and moves them with the fake `_to_copy`
+    only when it "avoids device init", which it decides by whether an accelerator is
+    available; a registered PrivateUse1 device counts as one. Otherwise the data is uploaded
+    for real in the middle of tracing, and the fake mode then meets a RemoteTensor it cannot
+    convert (transformers' KV cache starts from `torch.tensor([])`). With CUDA available this
+    also skips constant-folding of tiny CUDA constants during tracing: they stay graph ops."""
+    from torch._subclasses import fake_tensor
+
+    cls = fake_tensor.FakeTensorMode
+    if getattr(cls, "_rgpu_constants_fake", False):
+        return
+    cls.avoid_device_init = property(lambda self: True)
+    cls._rgpu_constants_fake = True

@@ -19,7 +19,16 @@ from typing import Any
 import torch
 import torch.fx
 
-from rgpu_protocol import Encoder, Kind, NodeRef, NodeTag, ref_ext
+from rgpu_protocol import (
+    GRAPH_CONSTANT_BYTES,
+    Encoder,
+    HostData,
+    Kind,
+    NodeRef,
+    NodeTag,
+    TensorMeta,
+    ref_ext,
+)
 
 from . import current as _cur
 from . import tensor as _tensor
@@ -90,14 +99,13 @@ def serialize(gm: torch.fx.GraphModule) -> list:
                     _encode_arg(dict(node.kwargs), index),
                 ]
             )
+        elif node.op == "get_attr":
+            nodes.append([NodeTag.CONSTANT, _constant(gm, node.target)])
         elif node.op == "output":
             outs = node.args[0]
-            nodes.append(
-                [
-                    NodeTag.OUTPUT,
-                    _encode_arg(list(outs) if isinstance(outs, (list, tuple)) else [outs], index),
-                ]
-            )
+            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            layouts = [_layout(v) for v in _output_values(node)]
+            nodes.append([NodeTag.OUTPUT, _encode_arg(outs, index), layouts])
         else:
             raise Unshippable(f"it has a {node.op} node ({node.target})")
         index[node] = len(index)
@@ -109,6 +117,38 @@ def serialize(gm: torch.fx.GraphModule) -> list:
                 ):
                     raise Unshippable("its outputs have dynamic shapes; compile with dynamic=False")
     return nodes
+
+
+def _constant(gm: torch.fx.GraphModule, name: str) -> HostData:
+    """A constant the traced code made (`torch.tensor([...])`, an empty KV cache): small CPU
+    tensors travel inside the graph; anything else keeps the graph from shipping."""
+    value = gm
+    for part in name.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, torch.Tensor) or isinstance(value, RemoteTensor):
+        raise Unshippable(f"it holds {name}, which is not a CPU tensor")
+    if value.device.type != "cpu" or value.layout != torch.strided:
+        raise Unshippable(f"it holds a constant tensor on {value.device} ({name})")
+    nbytes = value.numel() * value.element_size()
+    if nbytes > GRAPH_CONSTANT_BYTES:
+        raise Unshippable(f"it holds a constant tensor of {nbytes} bytes ({name})")
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # compile_graph runs under the tracing fake mode
+        data = value.detach().contiguous()
+        raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return HostData(data.dtype, tuple(data.shape), raw)
+
+
+def _layout(value: Any) -> TensorMeta | None:
+    """The layout traced for an output, which the server's result must have."""
+    if not isinstance(value, torch.Tensor) or any(
+        isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())
+    ):
+        return None
+    return TensorMeta(
+        value.dtype, tuple(value.shape), tuple(value.stride()), int(value.storage_offset())
+    )
 
 
 def _output_values(output_node: torch.fx.Node) -> list:

@@ -76,6 +76,7 @@ from .handshake import (
 from .layout import dense_strides, storage_span
 from .messages import (
     DEFAULT_SEED,
+    GRAPH_CONSTANT_BYTES,
     MAX_DYNAMIC_OUTPUTS,
     MAX_TREE_TENSORS,
     SPECS,
@@ -98,6 +99,7 @@ __all__ = [
     "CloseCode",
     "DEFAULT_LIMITS",
     "DEFAULT_SEED",
+    "GRAPH_CONSTANT_BYTES",
     "DTYPE_TO_CODE",
     "Device",
     "EXT_HOST",

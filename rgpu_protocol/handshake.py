@@ -156,13 +156,13 @@ def refuse_full(max_sessions: int) -> Refusal:
     )
 
 
-def session_lost_message(url: str) -> str:
+def session_lost_message(url: str, why: str | None = None) -> str:
     """Why a resume failed; the server says it in REFUSE, the client when WELCOME says not
-    resumed."""
+    resumed. `why`: what the server knows of a named session's end."""
+    cause = why or ("it restarted, or the session expired while the connection was down")
     return (
-        f"the rgpu server at {url} no longer has this session (it restarted, or the session "
-        "expired while the connection was down): every rgpu tensor of the session is gone. "
-        "Call rgpu.connect() to start a new session."
+        f"the rgpu server at {url} no longer has this session ({cause}): every rgpu tensor of "
+        "the session is gone. Call rgpu.connect() to start a new session."
     )
 
 
@@ -190,8 +190,8 @@ def refuse_bad_name(name: str) -> Refusal:
     return Refusal(RefusalCode.BAD_NAME.value, f"{name!r} is not a session name: use {NAME_RULE}")
 
 
-def refuse_session_lost(url: str) -> Refusal:
-    return Refusal(RefusalCode.SESSION_LOST.value, session_lost_message(url))
+def refuse_session_lost(url: str, why: str | None = None) -> Refusal:
+    return Refusal(RefusalCode.SESSION_LOST.value, session_lost_message(url, why))
 
 
 # -- the frames themselves ------------------------------------------------------------------------

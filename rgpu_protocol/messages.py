@@ -217,6 +217,10 @@ class NodeTag:
     CALL = "c"  # ["c", op, args, kwargs]: an aten op over earlier nodes (NodeRef) and constants
     GETITEM = "g"  # ["g", node, i]: item i of an earlier node's result
     OUTPUT = "o"  # ["o", [values]]: the graph's outputs; the last node
+    CONSTANT = "k"  # ["k", host tensor]: a small CPU tensor the graph holds (GRAPH_CONSTANT_BYTES)
+
+
+GRAPH_CONSTANT_BYTES = 64 << 10  # the most a shipped graph's constant tensor may hold
 
 
 def written_arguments(schema: Any) -> tuple[tuple[int, str], ...]:

@@ -21,7 +21,15 @@ from typing import Any
 import torch
 import torch.fx
 
-from rgpu_protocol import Encoder, NodeRef, NodeTag, ProtocolError
+from rgpu_protocol import (
+    GRAPH_CONSTANT_BYTES,
+    Encoder,
+    HostData,
+    NodeRef,
+    NodeTag,
+    ProtocolError,
+    TensorMeta,
+)
 
 from .ops import OpRefused, resolve
 
@@ -29,6 +37,23 @@ log = logging.getLogger("rgpu_server")
 COMPILERS = ("inductor", "eager")
 MAX_NODES = 200_000
 _CANON = Encoder().encode
+
+
+def _hashable(nodes: Any) -> Any:
+    """The nodes with each constant tensor as its bytes, as the client sent it."""
+    if type(nodes) is not list:
+        return nodes
+    return [
+        [NodeTag.CONSTANT, HostData(n[1].dtype, tuple(n[1].shape), _bytes(n[1]))]
+        if type(n) is list and len(n) == 2 and n[0] == NodeTag.CONSTANT
+        and isinstance(n[1], torch.Tensor)
+        else n
+        for n in nodes
+    ]  # fmt: skip
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def configure_cache(path: str | None) -> Path:
@@ -74,6 +99,8 @@ class Graph:
     n_nodes: int
     seeded: bool  # has random ops: run with the session's RNG state swapped in
     compiler: str
+    layouts: tuple  # per output: the TensorMeta the client predicted for it, or None
+    gm: Any = None  # the FX graph itself: run op by op if Inductor cannot compile it
 
 
 class GraphCache:
@@ -85,26 +112,27 @@ class GraphCache:
         self.built = 0  # graphs this process built
         self.reused = 0  # COMPILEs answered from graphs this process already had
         self.compile_seconds = 0.0
+        self.fallbacks = 0  # graphs Inductor failed to compile, run op by op instead
 
     def get_or_build(
         self, nodes: list, compiler: str, mode: str | None, device: torch.device
     ) -> Graph:
         # keyed by what the server decoded, never by a name a client chose: one client cannot
         # plant a different graph under a key another client's graph will be looked up by
-        key = hashlib.sha256(_CANON([nodes, compiler, mode, str(device)])).hexdigest()
+        key = hashlib.sha256(_CANON([_hashable(nodes), compiler, mode, str(device)])).hexdigest()
         with self._lock:
             hit = self._graphs.get(key)
             if hit is not None:
                 self.reused += 1
                 return hit
-        gm, seeded = build(nodes, device)
+        gm, seeded, layouts = build(nodes, device)
         fn: Any = gm
         if compiler == "inductor":
             # not fullgraph=True: its check shares one process-wide counter with every other
             # compiled call, so two sessions' calls at once made it fail spuriously; a graph of
             # aten calls has nothing to break on anyway. (Compiling happens at the first call.)
             fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
-        graph = Graph(key, fn, len(nodes), seeded, compiler)
+        graph = Graph(key, fn, len(nodes), seeded, compiler, layouts, gm)
         with self._lock:
             self._graphs.setdefault(key, graph)
             self.built += 1
@@ -130,17 +158,20 @@ class GraphCache:
             "compile_seconds": round(self.compile_seconds, 3),
             "inductor_cache_hits": hits,
             "dynamo_graphs": dynamo_graphs,
+            "graphs_run_op_by_op": self.fallbacks,
         }
 
 
 CACHE = GraphCache()
 
 
-def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool]:
-    """The FX graph a node list describes; ops are resolved by name like single ops."""
+def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool, tuple]:
+    """The FX graph a node list describes; ops are resolved by name like single ops. Also: has
+    it random ops, and the layout the client predicted for each output."""
     if type(nodes) is not list or not nodes or len(nodes) > MAX_NODES:
         raise ProtocolError("a graph is a non-empty list of nodes")
     graph = torch.fx.Graph()
+    root = torch.nn.Module()  # holds the graph's constants
     made: list[torch.fx.Node | None] = []
     seeded = False
 
@@ -182,8 +213,20 @@ def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool]
             and type(node[2]) is int
         ):
             made.append(graph.call_function(operator.getitem, (arg(NodeRef(node[1])), node[2])))
-        elif kind == NodeTag.OUTPUT and len(node) == 2 and type(node[1]) is list:
+        elif kind == NodeTag.CONSTANT and len(node) == 2 and isinstance(node[1], torch.Tensor):
+            constant = node[1]
+            if constant.device.type != "cpu" or constant.nbytes > GRAPH_CONSTANT_BYTES:
+                raise ProtocolError(f"graph node {i}: a constant is a small CPU tensor")
+            root.register_buffer(f"k{i}", constant)
+            made.append(graph.get_attr(f"k{i}"))
+        elif kind == NodeTag.OUTPUT and len(node) in (2, 3) and type(node[1]) is list:
             outputs = tuple(arg(node[1]))
+            layouts = tuple(node[2]) if len(node) == 3 else (None,) * len(outputs)
+            if len(layouts) != len(outputs) or any(
+                m is not None and (type(m) is not TensorMeta or len(m.shape) != len(m.stride))
+                for m in layouts
+            ):
+                raise ProtocolError("a graph's output layouts are one TensorMeta or nil per output")
             graph.output(outputs)
             made.append(None)
         else:
@@ -191,7 +234,7 @@ def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool]
     if outputs is None:
         raise ProtocolError("a graph needs an output node")
     graph.lint()
-    return torch.fx.GraphModule(torch.nn.Module(), graph), seeded
+    return torch.fx.GraphModule(root, graph), seeded, layouts
 
 
 class GraphRefused(Exception):
@@ -207,11 +250,11 @@ _COMPILE_LOCK = threading.Lock()
 def timed_first_call(graph: Graph, call) -> Any:
     """Run a graph; the first call of an Inductor graph compiles it: log how long that took."""
     if getattr(graph, "_timed", False):
-        return call()
+        return _or_op_by_op(graph, call)
     t0 = time.perf_counter()
     if graph.compiler == "inductor":
         with _COMPILE_LOCK:
-            out = call()
+            out = _or_op_by_op(graph, call)
     else:
         out = call()
     graph._timed = True  # type: ignore[attr-defined]
@@ -225,3 +268,19 @@ def timed_first_call(graph: Graph, call) -> Any:
         seconds,
     )
     return out
+
+
+def _or_op_by_op(graph: Graph, call) -> Any:
+    """A graph Inductor fails to compile (at its first call, or a recompile) runs op by op from
+    then on, for every session: the same aten ops, so the same results. Only a compile failure
+    falls back; an error while running is the op's error."""
+    try:
+        return call()
+    except Exception as e:
+        if type(e).__name__ != "BackendCompilerFailed" or graph.gm is None:
+            raise
+        log.warning("graph %s: Inductor could not compile it, so it runs op by op (%s)",
+                    graph.key[:12], str(e).strip().splitlines()[-1][:300])  # fmt: skip
+        graph.fn, graph.compiler = graph.gm, "eager"
+        CACHE.fallbacks += 1
+    return call()
