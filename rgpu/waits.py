@@ -16,6 +16,7 @@ from rgpu_protocol import Kind, Status, cancel_frame
 from rgpu_protocol.client_stream import Acked, Data, Failed, Reply
 
 from .errors import ProtocolViolation, RemoteError, RgpuError
+from .peek import PEEK_REPLY
 from .progress import TransferProgress
 
 
@@ -212,6 +213,9 @@ class WaitMixin:
 
     def _on_frame(self, frame: bytes) -> None:
         """Reader thread: route one server frame through the stream core."""
+        if frame[:1] == PEEK_REPLY:  # out of band, outside the stream (rgpu.peek)
+            self.peeks.answered(frame)
+            return
         with self._core:
             event = self.stream.receive(frame)
             kind = type(event)
