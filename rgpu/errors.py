@@ -10,7 +10,10 @@ import types
 _NOTEBOOK_HINTS = (
     ("Call rgpu.connect()", "Run %rgpu connect"),
     ("call rgpu.connect()", "run %rgpu connect"),
-    ("connect again with rgpu.connect() (%rgpu connect in a notebook)", "connect again with %rgpu connect"),
+    (
+        "connect again with rgpu.connect() (%rgpu connect in a notebook)",
+        "connect again with %rgpu connect",
+    ),
     ("(rgpu.disconnect())", "(%rgpu disconnect)"),
     ("call rgpu.connect(url)", "run %rgpu connect URL"),
     ("rgpu.connect(url, session=...)", "%rgpu connect URL --session NAME"),

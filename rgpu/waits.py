@@ -131,6 +131,8 @@ class WaitMixin:
         """Block until `waiter` has its reply (one wait, unless it is already there)."""
         if not waiter.event.is_set():
             self.waits += 1
+            if self.record_sites:  # which line waits, for the notebook's per-cell advice
+                self.sites.note_wait()
             t0 = time.perf_counter()
             try:
                 self._wait(waiter, progress)

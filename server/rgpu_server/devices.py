@@ -110,7 +110,9 @@ def _nvml_handle(device: torch.device) -> object:
         uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
         if uuid is not None:
             text = str(uuid)
-            return pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith("GPU-") else f"GPU-{text}")
+            return pynvml.nvmlDeviceGetHandleByUUID(
+                text if text.startswith("GPU-") else f"GPU-{text}"
+            )
         return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
     except Exception as e:
         return f"NVML unavailable: {e}"
