@@ -14,6 +14,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
+from ipywidgets.widgets.widget import _instances
 
 import rgpu
 import rgpu_jupyter
@@ -81,10 +82,15 @@ def test_connect_shows_the_widget_in_a_kernel_unless_turned_off(ip, server, monk
         ip.run_line_magic("rgpu", f"connect {server.url}")
     assert len(shown.outputs) == 1
     assert shown.outputs[0].data["text/plain"] == f"RgpuWidget(server={server.url})"
-    view = shown.outputs[0].data["application/vnd.jupyter.widget-view+json"]
+    core, (first,) = m._widget, m._placement.frames
     with capture_output() as again:
-        ip.run_line_magic("rgpu", "widget")  # the same widget, shown once more
-    assert again.outputs[0].data["application/vnd.jupyter.widget-view+json"] == view
+        ip.run_line_magic("rgpu", "widget")  # the same widget, shown once more: it moves
+    assert len(again.outputs) == 1 and m._widget is core
+    assert again.outputs[0].data["text/plain"] == f"RgpuWidget(server={server.url})"
+    (second,) = m._placement.frames
+    assert second is not first and second.children == (core,)
+    assert first.children != (core,) and "moved to a later cell" in first.children[0].value
+    assert [f for f in _instances.values() if core in getattr(f, "children", ())] == [second]
     ip.run_line_magic("config", "RgpuMagics.stats_interval = 0.5")
     assert m._widget.interval == 0.5 and m._widget.running
     ip.run_line_magic("config", "RgpuMagics.stats_interval = 0.2")
@@ -400,7 +406,9 @@ def test_status_shows_a_pending_server_error_instead_of_raising_it(connected, ca
     out = capsys.readouterr().out
     assert re.search(r"^state +connected$", out, re.M)
     assert re.search(
-        r"^error +aten::gather\.default failed on the rgpu server: .*index 7", out, re.M
+        r"^error +aten::gather\.default failed on the rgpu server( \(queued at [^)]*\))?: .*index 7",
+        out,
+        re.M,
     ), out
     torch.rgpu.synchronize()  # reported once
 

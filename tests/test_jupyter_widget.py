@@ -75,6 +75,7 @@ class FakeStats:
             return Snapshot(self.token, dict(self.values))
 
 
+STATE_CLASSES = {"rgpu-running", "rgpu-lost", "rgpu-reconnecting"}
 VIEW = {"url": "ws://127.0.0.1:4321", "state": "connected", "device": "cpu (CPU)"}
 
 
@@ -111,7 +112,7 @@ def test_builds_headlessly_and_shows_the_connection():
     assert span(w.live.value, "server") == "ws://127.0.0.1:4321"
     assert "no cell has used rgpu yet" in w.live.value
     assert w.recent.value == ""
-    assert w.box_style == ""
+    assert not STATE_CLASSES & set(w._dom_classes)
 
 
 def test_repr_is_short_stable_and_names_only_the_server():
@@ -136,18 +137,18 @@ def test_running_cell_counts_and_elapsed_time_update():
     assert span(w.live.value, "what") == "running [1]"
     assert (span(w.live.value, "messages"), span(w.live.value, "waits")) == ("120", "2")
     assert (span(w.live.value, "out"), span(w.live.value, "in")) == ("4.0 KiB", "10 B")
-    assert w.box_style == "info"
+    assert "rgpu-running" in w._dom_classes
     first = span(w.live.value, "elapsed")
     time.sleep(0.02)
     stats.add(messages=30, waits=1)
     w.refresh()
     assert (span(w.live.value, "messages"), span(w.live.value, "waits")) == ("150", "3")
     assert span(w.live.value, "elapsed") != first
-    acc.post_run_cell(SimpleNamespace(info=acc._running[0], success=True))
+    acc.post_run_cell(SimpleNamespace(info=acc._running.info, success=True))
     w.refresh()
     assert span(w.live.value, "what") == "last cell [1]"
     assert span(w.live.value, "messages") == "150"
-    assert w.box_style == ""
+    assert not STATE_CLASSES & set(w._dom_classes)
 
 
 def test_connection_state_is_shown_and_coloured():
@@ -156,15 +157,16 @@ def test_connection_state_is_shown_and_coloured():
     acc, w = make(stats, view=view)
     w.rtt = 0.0123
     w.refresh()
-    assert "RTT 12.3 ms" in w.live.value
+    assert span(w.live.value, "rtt") == "12.3 ms"
     view["state"] = "lost"
     w._session = lambda: dict(view)
     w.refresh()
-    assert span(w.live.value, "state") == "lost" and w.box_style == "danger"
+    assert span(w.live.value, "state") == "lost" and "rgpu-lost" in w._dom_classes
     assert "RTT" not in w.live.value
     view["state"] = "reconnecting"
     w.refresh()
-    assert span(w.live.value, "state") == "reconnecting" and w.box_style == "warning"
+    assert span(w.live.value, "state") == "reconnecting"
+    assert "rgpu-reconnecting" in w._dom_classes and "rgpu-lost" not in w._dom_classes
 
 
 def test_history_chart_makes_the_expensive_cell_stand_out():
@@ -207,12 +209,12 @@ def test_a_refresh_sends_one_update_per_changed_widget_and_nothing_when_unchange
     stats.add(messages=3)
     w.refresh()
     assert len(updates(w.live)) == 1 and set(updates(w.live)[0]) == {"value"}
-    assert updates(w) == [{"box_style": "info"}]
+    assert updates(w) == [{"_dom_classes": ("rgpu-widget", "rgpu-running")}]
     assert updates(w.recent) == []  # unchanged: nothing sent
     for x in (w, w.live, w.recent):
         x.comm.messages.clear()
     w.refresh()  # nothing moved (the elapsed time did; freeze it by ending the cell first)
-    acc.post_run_cell(SimpleNamespace(info=acc._running[0], success=True))
+    acc.post_run_cell(SimpleNamespace(info=acc._running.info, success=True))
     w.refresh()
     for x in (w, w.live, w.recent):
         x.comm.messages.clear()
@@ -236,7 +238,7 @@ def test_hold_sync_batches_the_traits_of_one_refresh(monkeypatch):
     stats.add(messages=3)
     w.refresh()
     # every send went through hold_sync's exit with the batched keys, never one per assignment
-    assert (w.live, ["value"]) in sent and (w, ["box_style"]) in sent
+    assert (w.live, ["value"]) in sent and (w, ["_dom_classes"]) in sent
     assert all(key is not None for _, key in sent)
 
 
