@@ -368,9 +368,11 @@ class RgpuMagics(Magics, Configurable):
                 self.accounting, interval=self.stats_interval, rows=self.widget_rows
             )
             self._placement = Placement(w)
+            w.compact = self.widget_compact
         if rtt is not None:
             w.rtt = rtt
-        w.compact = (self.widget_compact or args.compact) and not args.full
+        if args.compact or args.full:
+            w.compact = args.compact
         w.refresh()
         placement = self._placement
         if placement.in_side_panel and not (moving or args.side or args.inline):
@@ -384,12 +386,13 @@ class RgpuMagics(Magics, Configurable):
     def _run_counted(self, cell: str) -> Any:
         """Run a cell like %%time does, then print its one-line cost, also when it raises."""
         shell = self.shell
-        source = shell.transform_cell(cell)
+        # a blank first line where %%rgpu was: line numbers (op sites, advice) match the cell's
+        source = "\n" + shell.transform_cell(cell)
         tree = shell.transform_ast(shell.compile.ast_parse(source))
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        filename = shell.compile.cache(source)
+        filename = shell.compile.cache(source, shell.execution_count)  # named "cell [N]"
         body = shell.compile(tree, filename, "exec")
         tail = shell.compile(last, filename, "eval") if last is not None else None
         ns = shell.user_ns

@@ -325,3 +325,111 @@ def test_live_counts_follow_a_real_cell_while_it_runs(dev):
     assert row.waits == steps  # exactly one wait per .item()
     assert row.messages >= 23 * steps
     assert span(w.live.value, "server") == rgpu.current_session().url
+
+
+# -- the device, the link, transfers, advice --------------------------------------------------
+
+CPU_FACTS = {
+    "tensors": 2, "bytes": 4096, "memory_used": 3 << 30, "memory_total": 24 << 30,
+    "memory_process": 200 << 20, "utilization": None,
+    "utilization_note": "n/a on a CPU server", "load_average": 1.5, "cpus": 2,
+}  # fmt: skip
+
+
+def test_probe_fills_in_round_trip_and_device_memory():
+    probes = []
+    _, w = make(FakeStats(), probe=lambda: probes.append(1) or (0.0042, dict(CPU_FACTS)))
+    assert "rgpu-memory" not in w.live.value  # nothing known before the first probe
+    w.probe_now()
+    w.refresh()
+    assert span(w.live.value, "rtt") == "4.2 ms"
+    assert span(w.live.value, "memory") == (
+        "3.0 GiB / 24.0 GiB host RAM, this session 4.0 KiB (server process 200.0 MiB)"
+    )
+    assert span(w.live.value, "util") == "n/a on a CPU server (load 1.50 on 2 cores)"
+    assert 'class="rgpu-meter"><span style="width:12%">' in w.live.value
+    assert probes == [1] and w.probes == 1
+
+
+def test_a_skipped_probe_keeps_the_last_values():
+    answers = [(0.002, dict(CPU_FACTS)), None]
+    _, w = make(FakeStats(), probe=lambda: answers.pop(0))
+    w.probe_now()
+    w.probe_now()  # a transfer is in flight: nothing asked
+    w.refresh()
+    assert span(w.live.value, "rtt") == "2.0 ms" and w.probes == 1
+
+
+def test_the_timer_probes_every_two_seconds_not_every_refresh(monkeypatch):
+    import rgpu_jupyter.widget as widget_module
+
+    monkeypatch.setattr(widget_module, "PROBE_S", 0.25)
+    calls = []
+    _, w = make(FakeStats(), interval=0.1, probe=lambda: calls.append(time.monotonic()))
+    w.start()
+    time.sleep(0.8)
+    w.close()
+    assert 2 <= len(calls) <= 5 and w.refreshes >= 5
+
+
+def test_a_transfer_in_flight_shows_its_progress():
+    moving = [("rgpu download", 120 << 20, 381 << 20, 2.0)]
+    stats = FakeStats()
+    acc, w = make(stats, transfers=lambda: list(moving))
+    acc.pre_run_cell(SimpleNamespace(cell_id="a", raw_cell="x.cpu()"))
+    w.refresh()
+    assert re.search(
+        r'class="rgpu-transfer">rgpu download <span class="rgpu-meter"><span style="width:31%">'
+        r"</span></span>120.0 MiB / 381.0 MiB \(31%\)</span>",
+        w.live.value,
+    )
+    moving.clear()
+    w.refresh()
+    assert "rgpu-transfer" not in w.live.value
+
+
+def test_advice_shows_for_a_cell_that_mostly_waited_and_not_otherwise():
+    stats = FakeStats()
+    acc, w = make(stats)
+    run_cell(acc, stats, "fine", messages=5, waits=1, wait_seconds=0.001)
+    w.refresh()
+    assert 'class="rgpu-advice"' not in w.live.value and w.advice is None
+    info = SimpleNamespace(cell_id="slow", raw_cell="loop()")
+    acc.pre_run_cell(info)
+    acc._running.t0 -= 1.0  # the cell has run a second, most of it waiting
+    stats.add(messages=40, waits=40, wait_seconds=0.9)
+    w.refresh()
+    assert span(w.live.value, "advice").startswith("advice: 40 waits, each a round trip")
+
+
+def test_compact_mode_is_one_line_without_the_chart():
+    stats = FakeStats()
+    acc, w = make(stats, compact=True, probe=lambda: (0.001, dict(CPU_FACTS)))
+    run_cell(acc, stats, "a", messages=3, waits=1, wait_seconds=0.001)
+    w.probe_now()
+    w.refresh()
+    assert w.recent.value == "" and "<br>" not in w.live.value
+    assert span(w.live.value, "what") == "[1]" and span(w.live.value, "waits") == "1"
+    assert "1</span> wait ·" in w.live.value  # "1 wait", not "1 waits"
+    assert span(w.live.value, "memory") == "3.0 GiB / 24.0 GiB"
+    w.compact = False
+    w.refresh()
+    assert "[1]" in w.recent.value
+
+
+def test_one_wait_is_singular_in_the_full_view():
+    stats = FakeStats()
+    acc, w = make(stats)
+    run_cell(acc, stats, "a", messages=1, waits=1)
+    w.refresh()
+    assert "1</span> message ·" in w.live.value and "1</span> wait ·" in w.live.value
+
+
+def test_the_page_can_say_the_kernel_is_gone_on_its_own():
+    """After a restart no update comes: the view carries a 'kernel gone' state that CSS shows
+    when the widget manager marks the view disconnected."""
+    _, w = make(FakeStats())
+    assert '<span class="rgpu-alive">' in w.live.value
+    assert 'class="rgpu-state-gone">kernel gone: this view is stale<' in w.live.value
+    assert ".jupyter-widgets-disconnected .rgpu-w .rgpu-alive{display:none}" in w.live.value
+    assert ".jupyter-widgets-disconnected .rgpu-w .rgpu-gone{display:inline}" in w.live.value

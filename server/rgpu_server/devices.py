@@ -51,7 +51,12 @@ def pick_device(spec: str | None) -> torch.device:
 
 # -- live facts (INFO and PEEK) --------------------------------------------------------------------
 
-_nvml: dict = {}  # device index -> NVML handle, or the reason NVML cannot be used
+_nvml: dict = {}  # device index -> NVML handle, or the reason NVML cannot be used (NoNvml)
+
+
+class NoNvml(str):
+    """Why NVML cannot say a device's utilisation."""
+
 _nvml_lock = threading.Lock()
 
 
@@ -88,8 +93,8 @@ def _nvml_utilization(device: torch.device) -> tuple[int | None, str]:
         handle = _nvml.get(device.index)
         if handle is None:
             handle = _nvml[device.index] = _nvml_handle(device)
-    if isinstance(handle, str):
-        return None, handle
+    if isinstance(handle, NoNvml):
+        return None, str(handle)
     try:
         import pynvml
 
@@ -104,7 +109,7 @@ def _nvml_handle(device: torch.device) -> object:
     try:
         import pynvml
     except ImportError:
-        return "no NVML on the server (pip install nvidia-ml-py)"
+        return NoNvml("no NVML on the server (pip install nvidia-ml-py)")
     try:
         pynvml.nvmlInit()
         uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
@@ -115,7 +120,7 @@ def _nvml_handle(device: torch.device) -> object:
             )
         return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
     except Exception as e:
-        return f"NVML unavailable: {e}"
+        return NoNvml(f"NVML unavailable: {e}")
 
 
 def _mps_facts() -> dict:
