@@ -20,7 +20,12 @@ def cost(**kw) -> CellCost:
 
 @pytest.fixture
 def cell_source():
-    linecache.cache[CELL] = (0, None, ["x = 1\n", "for s in range(62):\n", "    loss.item()\n"], CELL)
+    linecache.cache[CELL] = (
+        0,
+        None,
+        ["x = 1\n", "for s in range(62):\n", "    loss.item()\n"],
+        CELL,
+    )
     yield
     linecache.cache.pop(CELL, None)
 
@@ -87,7 +92,10 @@ def test_times_never_read_zero_microseconds():
 
 
 def test_time_split_says_how_much_was_waiting():
-    assert time_split(cost(wall_seconds=3.21, wait_seconds=2.5)) == "3.21 s, 2.50 s of it waiting (78%)"
+    assert (
+        time_split(cost(wall_seconds=3.21, wait_seconds=2.5))
+        == "3.21 s, 2.50 s of it waiting (78%)"
+    )
     assert time_split(cost(wall_seconds=0.5)) == "500.0 ms"
 
 

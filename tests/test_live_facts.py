@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rgpu_server import devices
 
 import rgpu
 import rgpu.progress as progress
 import rgpu_protocol as proto
 from rgpu.peek import round_trip
-from rgpu_server import devices
 
 LIVE_KEYS = {"memory_used", "memory_total", "memory_process", "utilization", "utilization_note"}
 

@@ -57,6 +57,7 @@ _nvml: dict = {}  # device index -> NVML handle, or the reason NVML cannot be us
 class NoNvml(str):
     """Why NVML cannot say a device's utilisation."""
 
+
 _nvml_lock = threading.Lock()
 
 
