@@ -608,3 +608,16 @@ def test_side_panel_holds_the_one_widget_and_connect_leaves_it_there(ip, server,
         assert not m._placement.in_side_panel and not m._widget.compact
     finally:
         m.close()
+
+
+def test_an_interrupt_shows_rgpus_note_on_the_queued_work(ip, capsys):
+    """IPython 8 leaves exception notes out of tracebacks; the extension prints rgpu's."""
+    ip.run_cell(
+        "e = KeyboardInterrupt()\n"
+        "e.add_note('rgpu: the server skips the work of up to 3 queued message(s)')\n"
+        "e.add_note('not ours')\n"
+        "raise e"
+    )
+    out = capsys.readouterr().out
+    assert "rgpu: the server skips the work of up to 3 queued message(s)\n" in out
+    assert "not ours\n" not in out
