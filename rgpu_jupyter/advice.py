@@ -3,7 +3,8 @@ says why and what to change, from what the accounting already knows (counters, t
 that waited most, uploads the server already had).
 
 It says nothing when nothing is wrong: a cell that waited less than half its wall time, or less
-than `MIN_WAIT_S` in all, gets no advice. The widget shows the advice of the running (or last)
+than `MIN_WAIT_S` in all, gets no advice, nor does one whose few waits were long (the server was
+computing: the device's speed is the cost, and that is no mistake of the notebook's). The widget shows the advice of the running (or last)
 cell; `%%rgpu` prints it under its line; ordinary cells' outputs never get it.
 """
 
@@ -53,10 +54,7 @@ def advise(cost: CellCost, rtt: float | None = None) -> str | None:
             f"{cost.waits} waits, each a round trip: read values less often, or with "
             '.to("cpu", non_blocking=True) (not a wait)'
         )
-    return (
-        f"{plural(cost.waits, 'wait')} took {format_seconds(cost.wait_seconds)}: the server was "
-        "running the queued work, so the device's speed, not the link, is the cost"
-    )
+    return None  # a few long waits: the device was computing, which is its job, not a problem
 
 
 def fix_for(code: str) -> str:

@@ -58,11 +58,9 @@ def test_big_transfers_blame_the_bandwidth():
     assert advise(c).startswith("moved 1.0 KiB out and 381.0 MiB in: the link's bandwidth")
 
 
-def test_one_long_wait_is_the_device_not_the_link():
-    assert advise(cost(waits=1, wait_seconds=2.5, wall_seconds=2.6)) == (
-        "1 wait took 2.50 s: the server was running the queued work, so the device's speed, "
-        "not the link, is the cost"
-    )
+def test_a_few_long_waits_are_the_device_computing_and_get_no_advice():
+    assert advise(cost(waits=1, wait_seconds=2.5, wall_seconds=2.6)) is None
+    assert advise(cost(waits=9, wait_seconds=2.5, wall_seconds=2.6)) is None
 
 
 @pytest.mark.parametrize(
