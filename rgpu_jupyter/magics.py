@@ -392,7 +392,9 @@ class RgpuMagics(Magics, Configurable):
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        filename = shell.compile.cache(source, shell.execution_count)  # named "cell [N]"
+        running = self.accounting._running  # named "cell [N]" as the accounting numbers it
+        number = running.number if running is not None else shell.execution_count
+        filename = shell.compile.cache(source, number)
         body = shell.compile(tree, filename, "exec")
         tail = shell.compile(last, filename, "eval") if last is not None else None
         ns = shell.user_ns

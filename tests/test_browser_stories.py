@@ -6,6 +6,7 @@ One notebook, one JupyterLab, one page; the stories run in order as a person wou
   live copy is on the page; its counters move while a cell runs, and it shows the device's memory;
 * an interrupt (I, I) during a long queue of matmuls: the kernel and the embedded server survive,
   the output says the queued work is skipped, and the next cell runs at once on the same server;
+* the side panel: `%rgpu widget --side` moves the one widget out of the notebook, into view;
 * a kernel restart: the old widget no longer says "connected" but that the kernel is gone.
 
 Screenshots go to test-artifacts/ (and, with RGPU_SCREENSHOTS=1, the README's to docs/img/).
@@ -35,6 +36,8 @@ CELLS = [
     "y.sum().item()",
     't = time.time()\nv = torch.ones(2, device="rgpu").sum().item()\n'
     'print("next", v, rgpu.current_session().url == url0, round(time.time() - t) < 10)',
+    '%rgpu widget --side\nx = torch.randn(128, 128, device="rgpu")\nfor _ in range(300):\n'
+    "    x = (x @ x).tanh()\n    x.sum().item()",
 ]
 
 pytestmark = [
@@ -188,6 +191,22 @@ def test_interrupt_story_the_kernel_and_server_survive_and_queued_work_stops(pag
     page.screenshot(path=str(ARTIFACTS / "stories-after-interrupt.png"))
     assert "next 2.0 True True" in out, out  # the same embedded server, answering promptly
     assert took < 30, took
+
+
+def test_side_panel_story_the_widget_leaves_the_notebook_and_stays_in_view(page):
+    run_cell(page, 5)
+    out = wait_done(page, 5, timeout=120)
+    assert "the live widget is in JupyterLab's side panel" in out, out
+    page.wait_for_timeout(500)
+    assert page.locator(".rgpu-widget").count() == 1
+    assert page.locator(".jp-Notebook .rgpu-widget").count() == 0  # not in any cell
+    assert page.locator(".rgpu-widget").first.is_visible()
+    assert counters(page)[0] == "last cell [6]" and counters(page)[2] == 300
+    page.locator(".jp-Notebook .jp-Cell").nth(0).scroll_into_view_if_needed()  # scrolled away:
+    assert page.locator(".rgpu-widget").first.is_visible()  # the panel still shows it
+    page.screenshot(path=str(ARTIFACTS / "stories-side-panel.png"))
+    if os.environ.get("RGPU_SCREENSHOTS"):
+        page.screenshot(path=str(ROOT / "docs" / "img" / "widget-side.png"))
 
 
 def test_restart_story_the_old_widget_says_the_kernel_is_gone(page):
