@@ -13,7 +13,7 @@ from rgpu_protocol import DEFAULT_SEED, Kind
 
 from . import progress, slurm, ssh
 from .config import Config
-from .errors import ConnectError, RgpuError
+from .errors import ConnectError, RgpuError, hint
 from .local_server import EmbeddedServer
 from .session import Session
 
@@ -109,10 +109,10 @@ def connect(
             except BaseException:
                 server.stop()
                 raise
-            announce(
+            announce(hint(
                 f"started an embedded rgpu server at {server.url} on {opened.device} "
                 f"({opened.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
-            )
+            ))  # fmt: skip
         elif scheme == "slurm":
             opened = slurm.open_session(
                 target, timeout=timeout, options=slurm_options, config=config, on_state=announce,

@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
+import sys
 import traceback
 import types
 
-# in a notebook, hints name the magic where one fits
-_NOTEBOOK_HINTS = (("Call rgpu.connect()", "Run %rgpu connect"),
-                   ("call rgpu.connect()", "run %rgpu connect"))  # fmt: skip
+# in a notebook with the extension loaded, hints name the magic where one fits
+_NOTEBOOK_HINTS = (
+    ("Call rgpu.connect()", "Run %rgpu connect"),
+    ("call rgpu.connect()", "run %rgpu connect"),
+    (
+        "connect again with rgpu.connect() (%rgpu connect in a notebook)",
+        "connect again with %rgpu connect",
+    ),
+    ("(rgpu.disconnect())", "(%rgpu disconnect)"),
+    ("call rgpu.connect(url)", "run %rgpu connect URL"),
+    ("rgpu.connect(url, session=...)", "%rgpu connect URL --session NAME"),
+    ("rgpu.connect(url, token=...)", "%rgpu connect URL --token TOKEN"),
+    ("rgpu.connect('local')", "%rgpu connect local"),
+)
+
+
+def magics_available() -> bool:
+    """Running in IPython with the `%rgpu` magic loaded (the rgpu_jupyter extension)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    try:
+        return shell is not None and shell.find_line_magic("rgpu") is not None
+    except Exception:
+        return False
+
+
+def hint(text: str) -> str:
+    """`text` with its hints in the form the user types: `%rgpu connect URL` where the magic is
+    loaded, Python (`rgpu.connect(url)`) in scripts."""
+    if not magics_available():
+        return text
+    for python, magic in _NOTEBOOK_HINTS:
+        text = text.replace(python, magic)
+    return text
 
 
 def render_traceback(exc: BaseException) -> list[str]:
@@ -31,9 +63,7 @@ def render_traceback(exc: BaseException) -> list[str]:
     hidden = len(frames) - len(shown)
     if hidden:
         lines.append(f"  [{hidden} frame(s) inside rgpu, torch and Python hidden]")
-    text = "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n")
-    for python, magic in _NOTEBOOK_HINTS:
-        text = text.replace(python, magic)
+    text = hint("".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n"))
     return lines + text.splitlines()  # (its notes included)
 
 

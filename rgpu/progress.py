@@ -1,7 +1,10 @@
-"""Progress bars for long transfers (tqdm.auto: a widget in notebooks, text in terminals)."""
+"""Progress bars for long transfers (tqdm.auto: a widget in notebooks, text in terminals), and
+the transfers in flight, which a live view (the Jupyter widget) reads from another thread."""
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from typing import Any
 
@@ -74,12 +77,36 @@ def use_config(config: Config) -> None:
 settings = Settings()
 
 
+_active: dict[int, TransferProgress] = {}  # transfers in flight, by id()
+_active_lock = threading.Lock()
+
+
+def active_transfers() -> list[tuple[str, int, int, float]]:
+    """The transfers in flight now, oldest first: (what, bytes done, bytes in all, seconds
+    since it started). Safe from any thread."""
+    now = time.perf_counter()
+    with _active_lock:
+        return [(t.desc, t.done, t.total, now - t.started) for t in _active.values()]
+
+
 class TransferProgress:
-    """A byte-counting bar shown only for transfers of at least `settings.progress_bytes`."""
+    """A transfer in flight: listed by `active_transfers`, and a byte-counting bar for transfers
+    of at least `settings.progress_bytes`.
+
+    `close` ends both, also when the transfer failed or its last update never came: the bar then
+    disappears rather than stay behind frozen (tqdm's notebook bar keeps a bar closed short of
+    its total, in red)."""
 
     def __init__(self, total: int, desc: str) -> None:
         self._bar: Any = None
         self._shown = 0
+        self.total = total
+        self.desc = desc
+        self.done = 0
+        self.started = time.perf_counter()
+        if total > 0:
+            with _active_lock:
+                _active[id(self)] = self
         if total >= settings.progress_bytes > 0:
             try:
                 from tqdm.auto import tqdm
@@ -90,11 +117,16 @@ class TransferProgress:
             )
 
     def update_to(self, done: int) -> None:
+        self.done = max(self.done, done)
         if self._bar is not None and done > self._shown:
             self._bar.update(done - self._shown)
             self._shown = done
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        with _active_lock:
+            _active.pop(id(self), None)
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            if bar.total and bar.n < bar.total:
+                bar.n = bar.total  # closed short of its total: hidden, not left in red
+            bar.close()

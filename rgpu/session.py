@@ -41,6 +41,7 @@ from .config import Config
 from .connection import Connection, split_token
 from .errors import ConnectionLost, RgpuError
 from .link import Link
+from .peek import Peeks
 from .progress import settings
 from .reconnect import ReconnectMixin
 from .sites import OpSites
@@ -167,6 +168,7 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         self.uploads = dedup.UploadIndex(enabled=config.dedup, min_bytes=config.dedup_min_bytes)
         self.sites = OpSites()  # where ops were queued, when rgpu.settings.op_sites is on
         self.record_sites = False
+        self.peeks = Peeks()  # live facts asked out of band (rgpu.peek)
         settings.watch(self)
         self._quiet = threading.Thread(
             target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
@@ -357,6 +359,11 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
 
     def info(self) -> dict:
         return self.request((Kind.INFO,))
+
+    def peek(self, timeout: float = 2.0) -> dict | None:
+        """Live device facts and what this session holds, asked out of band: not a message,
+        not a wait, not behind queued work (rgpu.peek). None when the server cannot say."""
+        return self.peeks.ask(self, timeout)
 
     @property
     def kept_names(self) -> tuple[str, ...]:

@@ -13,12 +13,14 @@ import sysconfig
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import rgpu_protocol
 
 LIMIT = 1 << 20  # runs kept; the oldest half goes when full
+WAIT_SITES = 4096  # distinct lines whose waits are counted; later new lines are not
 # filename -> how to name it; the Jupyter extension names a cell's code "cell [7]"
 name_file: Callable[[str], str | None] | None = None
 _LIBRARY_DIRS = tuple(
@@ -43,10 +45,13 @@ class OpSites:
         self._table: list[tuple[str, int]] = []
         self._index: dict[tuple[str, int], int] = {}
         self._library: dict = {}  # code object -> inside torch, rgpu or the standard library
+        # (filename, line) -> waits issued there: what a per-cell advisor names ("62 waits from
+        # loss.item() at cell [7], line 4")
+        self.waits: dict[tuple[str, int], int] = {}
 
-    def note(self, seq: int, depth: int = 2) -> None:
-        """Message `seq` is being queued: remember the innermost frame outside the libraries."""
-        f = sys._getframe(depth)
+    def _user_frame(self, depth: int) -> Any:
+        """The innermost frame outside the libraries, `depth` frames above the caller's caller."""
+        f = sys._getframe(depth + 1)
         library = self._library
         while f is not None:
             code = f.f_code
@@ -56,6 +61,23 @@ class OpSites:
             if not inside:
                 break
             f = f.f_back
+        return f
+
+    def note_wait(self, depth: int = 2) -> None:
+        """A wait is starting: count it for the user's line that caused it."""
+        f = self._user_frame(depth)
+        if f is None:
+            return
+        key = (f.f_code.co_filename, f.f_lineno)
+        waits = self.waits
+        if key in waits:
+            waits[key] += 1
+        elif len(waits) < WAIT_SITES:
+            waits[key] = 1
+
+    def note(self, seq: int, depth: int = 2) -> None:
+        """Message `seq` is being queued: remember the innermost frame outside the libraries."""
+        f = self._user_frame(depth)
         if f is None:
             return
         key = (f.f_code.co_filename, f.f_lineno)
@@ -78,6 +100,11 @@ class OpSites:
         k = bisect_right(self._seqs, seq) - 1
         if k < 0:
             return None
-        filename, line = self._table[self._sites[k]]
-        named = name_file(filename) if name_file is not None else None
-        return f"{named or os.path.basename(filename)}, line {line}"
+        return describe(self._table[self._sites[k]])
+
+
+def describe(key: tuple[str, int]) -> str:
+    """A (filename, line) as words: "cell [7], line 4" or "train.py, line 30"."""
+    filename, line = key
+    named = name_file(filename) if name_file is not None else None
+    return f"{named or os.path.basename(filename)}, line {line}"

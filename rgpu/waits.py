@@ -16,6 +16,7 @@ from rgpu_protocol import Kind, Status, cancel_frame
 from rgpu_protocol.client_stream import Acked, Data, Failed, Reply
 
 from .errors import ProtocolViolation, RemoteError, RgpuError
+from .peek import PEEK_REPLY
 from .progress import TransferProgress
 
 
@@ -130,6 +131,8 @@ class WaitMixin:
         """Block until `waiter` has its reply (one wait, unless it is already there)."""
         if not waiter.event.is_set():
             self.waits += 1
+            if self.record_sites:  # which line waits, for the notebook's per-cell advice
+                self.sites.note_wait()
             t0 = time.perf_counter()
             try:
                 self._wait(waiter, progress)
@@ -212,6 +215,9 @@ class WaitMixin:
 
     def _on_frame(self, frame: bytes) -> None:
         """Reader thread: route one server frame through the stream core."""
+        if frame[:1] == PEEK_REPLY:  # out of band, outside the stream (rgpu.peek)
+            self.peeks.answered(frame)
+            return
         with self._core:
             event = self.stream.receive(frame)
             kind = type(event)

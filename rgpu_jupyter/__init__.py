@@ -11,6 +11,7 @@ See `%rgpu?` for the commands. Loading registers the magics and two IPython even
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from .accounting import CellAccounting, CellCost
@@ -42,6 +43,9 @@ def load_ipython_extension(ip: Any) -> None:
         ip.configurables.append(magics)
     magics.accounting.register(ip)
     magics.accounting.begin_now()  # the cell running %load_ext counts from here
+    if not _ipython_shows_notes():
+        _unregister_notes(ip)
+        ip.events.register("post_run_cell", show_rgpu_notes)
     setattr(ip, _ATTR, magics)
 
 
@@ -51,6 +55,7 @@ def unload_ipython_extension(ip: Any) -> None:
     if magics is None:
         return
     magics.accounting.unregister()
+    _unregister_notes(ip)
     magics.close()
     for kind in ("line", "cell"):
         table = ip.magics_manager.magics[kind]
@@ -60,3 +65,30 @@ def unload_ipython_extension(ip: Any) -> None:
     while magics in ip.configurables:
         ip.configurables.remove(magics)
     delattr(ip, _ATTR)
+
+
+def show_rgpu_notes(result: Any) -> None:
+    """Print rgpu's notes on a cell's exception (PEP 678), which IPython 8's tracebacks leave out
+    (checked at load): on an interrupt, the note says what became of the server's queued work.
+    rgpu's own errors show theirs already (`_render_traceback_`)."""
+    error = getattr(result, "error_in_exec", None)
+    if error is None or hasattr(error, "_render_traceback_"):
+        return
+    for note in getattr(error, "__notes__", None) or ():
+        if isinstance(note, str) and note.startswith("rgpu:"):
+            print(note)
+
+
+def _ipython_shows_notes() -> bool:
+    from IPython.core import ultratb
+
+    try:
+        return "__notes__" in inspect.getsource(ultratb)
+    except (OSError, TypeError):
+        return False
+
+
+def _unregister_notes(ip: Any) -> None:
+    for cb in list(ip.events.callbacks.get("post_run_cell", [])):
+        if getattr(cb, "__name__", "") == "show_rgpu_notes":
+            ip.events.unregister("post_run_cell", cb)

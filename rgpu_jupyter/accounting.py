@@ -4,7 +4,9 @@ IPython's `pre_run_cell` / `post_run_cell` events bracket every (non-silent) cel
 `rgpu.stats()` at each end gives the cell's messages, waits and bytes. Cells are keyed by the
 frontend's `cell_id` (JupyterLab sends one; re-running a cell replaces its row) and, when there is
 none (nbclient, nbval, a terminal), by a counter. Never by `execution_count`: nbval executes with
-`store_history=False`, which leaves it the same for every cell.
+`store_history=False`, which leaves it the same for every cell. The number shown, `[7]`, is the
+execution count where the cell has one (as the notebook's prompt shows it), else the counter.
+Cells of `%rgpu` lines only (connect, status, ...) are not recorded: they are not the user's work.
 
 The hooks never print and never raise: IPython prints a hook's traceback into the cell's output,
 which would corrupt every cell (and every nbval comparison) after one bug.
@@ -24,7 +26,16 @@ import rgpu
 
 log = logging.getLogger("rgpu_jupyter")
 
-COUNTERS = ("messages", "waits", "bytes_out", "bytes_in", "frames", "wait_seconds")
+COUNTERS = (
+    "messages",
+    "waits",
+    "bytes_out",
+    "bytes_in",
+    "frames",
+    "wait_seconds",
+    "dedup_hits",
+    "dedup_bytes_saved",
+)
 _ZERO: dict[str, float] = {k: 0 for k in COUNTERS}
 
 
@@ -43,6 +54,10 @@ class CellCost:
     wait_seconds: float = 0.0
     wall_seconds: float = 0.0
     success: bool = True
+    dedup_hits: int = 0  # uploads of data the server already had (sent as a reference)
+    dedup_bytes_saved: int = 0
+    busiest: tuple[str, int] | None = None  # the user's line that waited most: (file, line)
+    busiest_waits: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,6 +87,18 @@ def cell_label(source: str, width: int = 32) -> str:
     return ""
 
 
+_OWN_LINES = ("%rgpu", "%load_ext rgpu_jupyter", "%reload_ext rgpu_jupyter")
+
+
+def only_rgpu_magics(source: str) -> bool:
+    """A cell of `%rgpu ...` lines only (and loading the extension): not counted as a cell."""
+    lines = [s.strip() for s in source.splitlines()]
+    lines = [s for s in lines if s and not s.startswith("#")]
+    return bool(lines) and all(
+        any(s == own or s.startswith(own + " ") for own in _OWN_LINES) for s in lines
+    )
+
+
 class Snapshot:
     """Counters of the current session at one moment, tied to that session.
 
@@ -79,19 +106,37 @@ class Snapshot:
     negative; `since` then counts from the new session's start instead.
     """
 
-    __slots__ = ("session", "values")
+    __slots__ = ("session", "values", "waits_at")
 
-    def __init__(self, session: object, values: dict[str, float]) -> None:
+    def __init__(
+        self,
+        session: object,
+        values: dict[str, float],
+        waits_at: dict[tuple[str, int], int] | None = None,
+    ) -> None:
         self.session = session
         self.values = values
+        self.waits_at = waits_at or {}  # waits so far per user line (rgpu.settings.op_sites)
 
     def since(self, start: Snapshot) -> dict[str, float]:
         base = start.values if start.session is self.session else _ZERO
         return {k: self.values.get(k, 0) - base.get(k, 0) for k in COUNTERS}
 
+    def busiest_since(self, start: Snapshot) -> tuple[tuple[str, int] | None, int]:
+        """The user's line that waited most since `start`, and how many times."""
+        base = start.waits_at if start.session is self.session else {}
+        best, most = None, 0
+        for key, n in self.waits_at.items():
+            n -= base.get(key, 0)
+            if n > most:
+                best, most = key, n
+        return best, most
+
 
 def _rgpu_snapshot() -> Snapshot:
-    return Snapshot(rgpu.current_session(), rgpu.stats())
+    session = rgpu.current_session()
+    sites = getattr(session, "sites", None)
+    return Snapshot(session, rgpu.stats(), dict(sites.waits) if sites is not None else None)
 
 
 def send_leftovers() -> None:
@@ -103,6 +148,19 @@ def send_leftovers() -> None:
     session = rgpu.current_session()
     if session is not None and session.state == "connected":
         session.flush()
+
+
+@dataclass
+class _Running:
+    """The cell being run: its pre_run_cell info (None for the provisional record of a load)."""
+
+    info: Any
+    key: str
+    label: str
+    number: int
+    start: Snapshot
+    t0: float
+    counted: bool = True  # False for a cell of %rgpu lines only
 
 
 class CellAccounting:
@@ -126,8 +184,7 @@ class CellAccounting:
         self.version = 0  # bumped whenever history changes, so watchers can skip re-rendering
         self.errors = 0  # exceptions swallowed by the hooks (inspect these when debugging)
         self._counter = 0
-        # the running cell: (ExecutionInfo, key, label, number, start snapshot, start time)
-        self._running: tuple[Any, str, str, int, Snapshot, float] | None = None
+        self._running: _Running | None = None
         self._lock = threading.Lock()
         self._shell: Any = None
 
@@ -156,6 +213,14 @@ class CellAccounting:
             except ValueError:
                 pass
 
+    def _number(self, info: Any) -> int:
+        """The number a person knows the cell by: its prompt's execution count where IPython
+        keeps one for it (not under nbval, which runs cells with store_history=False)."""
+        count = getattr(self._shell, "execution_count", None)
+        if getattr(info, "store_history", False) and type(count) is int:
+            return count
+        return self._counter
+
     def begin_now(self) -> None:
         """Count from now as part of whichever cell ends next.
 
@@ -164,8 +229,10 @@ class CellAccounting:
         (before any cell), the next cell's pre_run_cell replaces this provisional record.
         """
         try:
-            self._counter += 1
-            self._running = (None, "", "", self._counter, self.snapshot(), time.perf_counter())
+            self._counter += 1  # (the cell's own number is known when it ends)
+            self._running = _Running(
+                None, "", "", self._counter, self.snapshot(), time.perf_counter()
+            )
         except Exception:
             self.errors += 1
             log.debug("rgpu_jupyter: begin_now failed", exc_info=True)
@@ -173,18 +240,21 @@ class CellAccounting:
     def pre_run_cell(self, info: Any = None) -> None:
         try:
             running = self._running
-            if running is not None and running[0] is not None:
+            if running is not None and running.info is not None:
                 return  # a nested run_cell (%%capture, %run -i ...) belongs to the outer cell
             if running is not None:  # provisional, from a load before any cell
                 self._counter -= 1
             self._counter += 1
             cell_id = getattr(info, "cell_id", None)
             key = str(cell_id) if cell_id else f"#{self._counter}"
-            label = cell_label(getattr(info, "raw_cell", "") or "")
+            source = getattr(info, "raw_cell", "") or ""
             if self.settle is not None:
                 self.settle()
             start = self.snapshot()
-            self._running = (info, key, label, self._counter, start, time.perf_counter())
+            self._running = _Running(
+                info, key, cell_label(source), self._number(info), start, time.perf_counter(),
+                not only_rgpu_magics(source),
+            )  # fmt: skip
         except Exception:  # a hook must never disturb the user's cell
             self.errors += 1
             log.debug("rgpu_jupyter: pre_run_cell failed", exc_info=True)
@@ -198,14 +268,20 @@ class CellAccounting:
             # started info is None when the extension was loaded inside the cell now ending)
             if running is None:
                 return
-            if result is not None and running[0] is not None and info is not running[0]:
+            if result is not None and running.info is not None and info is not running.info:
                 return
             cost = self._finish(getattr(result, "success", True))
-            if running[0] is None and info is not None:
+            counted = running.counted
+            if running.info is None and info is not None:
                 cell_id = getattr(info, "cell_id", None)
                 cost.key = str(cell_id) if cell_id else f"#{cost.number}"
-                cost.label = cell_label(getattr(info, "raw_cell", "") or "")
-            if cost.touched_rgpu:
+                source = getattr(info, "raw_cell", "") or ""
+                cost.label = cell_label(source)
+                counted = not only_rgpu_magics(source)
+                count = getattr(result, "execution_count", None)
+                if getattr(info, "store_history", False) and type(count) is int:
+                    cost.number = count
+            if cost.touched_rgpu and counted:
                 with self._lock:
                     self.history.pop(cost.key, None)
                     self.history[cost.key] = cost
@@ -219,20 +295,17 @@ class CellAccounting:
     # -- reading -----------------------------------------------------------------------------
 
     def _finish(self, success: bool) -> CellCost:
-        _, key, label, number, start, t0 = self._running  # type: ignore[misc]
+        running = self._running
+        assert running is not None
         self._running = None
-        delta = self.snapshot().since(start)
-        return make_cost(key, label, number, delta, time.perf_counter() - t0, success)
+        return running_cost(running, self.snapshot(), success)
 
     def live(self) -> CellCost | None:
         """The running cell's cost so far, or None between cells (called from the widget's timer)."""
         running = self._running
         if running is None:
             return None
-        _, key, label, number, start, t0 = running
-        return make_cost(
-            key, label, number, self.snapshot().since(start), time.perf_counter() - t0, True
-        )
+        return running_cost(running, self.snapshot(), True)
 
     def recent(self, n: int | None = None) -> list[CellCost]:
         """The last `n` recorded cells (all kept ones by default), oldest first."""
@@ -244,6 +317,19 @@ class CellAccounting:
         with self._lock:
             self.history.clear()
             self.version += 1
+
+
+def running_cost(running: _Running, end: Snapshot, success: bool) -> CellCost:
+    cost = make_cost(
+        running.key,
+        running.label,
+        running.number,
+        end.since(running.start),
+        time.perf_counter() - running.t0,
+        success,
+    )
+    cost.busiest, cost.busiest_waits = end.busiest_since(running.start)
+    return cost
 
 
 def make_cost(
@@ -262,4 +348,6 @@ def make_cost(
         wait_seconds=float(d["wait_seconds"]),
         wall_seconds=wall,
         success=success,
+        dedup_hits=int(d.get("dedup_hits", 0)),
+        dedup_bytes_saved=int(d.get("dedup_bytes_saved", 0)),
     )

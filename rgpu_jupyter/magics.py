@@ -8,19 +8,22 @@ Every user mistake (bad arguments, no connection, an unreachable server) is a on
 from __future__ import annotations
 
 import ast
+import time
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.display import display
 from traitlets import Bool, Float, Int, default, observe, validate
 from traitlets.config import Configurable
 
 import rgpu
 import rgpu.sites
+from rgpu.errors import hint
 
 from .accounting import CellAccounting, make_cost, send_leftovers
+from .advice import advise
+from .render import memory_text, time_split, utilization_text
 from .report import CellStats, cell_line, format_bytes, format_seconds, plural
 
 
@@ -29,6 +32,12 @@ class RgpuMagics(Magics, Configurable):
     """Connect to an rgpu server and see what each cell costs it."""
 
     widget = Bool(True, help="Show the live stats widget after %rgpu connect.").tag(config=True)
+    widget_side = Bool(
+        False,
+        help="Show the widget in JupyterLab's side panel, where it stays in view (needs the "
+        "sidecar package), not in the cell's output.",
+    ).tag(config=True)
+    widget_compact = Bool(False, help="Show the widget as one line.").tag(config=True)
     stats_interval = Float(0.2, help="Seconds between widget refreshes (at least 0.1).").tag(
         config=True
     )
@@ -50,6 +59,7 @@ class RgpuMagics(Magics, Configurable):
         Magics.__init__(self, shell=shell)
         self.accounting = CellAccounting(keep=self.history)
         self._widget: Any = None
+        self._placement: Any = None
         rgpu.settings.op_sites = self.op_sites
         rgpu.sites.name_file = self._cell_of
 
@@ -111,6 +121,10 @@ class RgpuMagics(Magics, Configurable):
         "-o", "--object", action="store_true", help="for stats: return the table as an object"
     )
     @argument("--clear", action="store_true", help="for stats: forget the recorded cells")
+    @argument("--side", action="store_true", help="for widget: in JupyterLab's side panel")
+    @argument("--inline", action="store_true", help="for widget: in this cell's output")
+    @argument("--compact", action="store_true", help="for widget: one line")
+    @argument("--full", action="store_true", help="for widget: the full view")
     @line_cell_magic
     def rgpu(self, line: str, cell: str | None = None) -> Any:
         """Use a remote GPU from this notebook, and see what each cell costs it.
@@ -130,8 +144,10 @@ class RgpuMagics(Magics, Configurable):
         %rgpu stats [-o] [--clear]
             A table of recent cells: messages, waits, bytes out/in, time spent waiting, wall
             time. -o returns it as an object (text and HTML reprs; .as_dicts() for pandas).
-        %rgpu widget
-            Show the live widget again.
+        %rgpu widget [--side | --inline] [--compact | --full]
+            Show the live widget here (it moves: a kernel has one), or in JupyterLab's side
+            panel with --side, where it stays in view (pip install sidecar); --compact shows
+            one line. Defaults: %config RgpuMagics.widget_side / .widget_compact.
         %rgpu connect URL --session NAME [--takeover]
             Open (or re-open, after a kernel restart) a named session: it stays on the server
             when this kernel goes (--detached-ttl), and rgpu.kept(NAME) finds what
@@ -150,8 +166,8 @@ class RgpuMagics(Magics, Configurable):
             request sent to the server; a wait is one point where Python blocked for its answer
             (waits x round-trip time is the latency bill).
 
-        Settings: %config RgpuMagics.widget, .stats_interval, .history, .widget_rows,
-        .progress_mb (progress bars for transfers at least this big).
+        Settings: %config RgpuMagics.widget, .widget_side, .widget_compact, .stats_interval,
+        .history, .widget_rows, .progress_mb (progress bars for transfers at least this big).
         """
         if cell is not None:
             if line.strip():
@@ -175,6 +191,14 @@ class RgpuMagics(Magics, Configurable):
             raise UsageError(f"%rgpu {args.action} takes no URL or token")
         if args.action != "stats" and (args.object or args.clear):
             raise UsageError(f"-o and --clear belong to %rgpu stats, not %rgpu {args.action}")
+        if args.action not in ("widget", "connect") and (
+            args.side or args.inline or args.compact or args.full
+        ):
+            raise UsageError(
+                f"--side, --inline, --compact and --full belong to %rgpu widget, not %rgpu {args.action}"
+            )
+        if (args.side and args.inline) or (args.compact and args.full):
+            raise UsageError("choose one of --side / --inline and one of --compact / --full")
         return getattr(self, "_do_" + args.action)(args)
 
     # -- actions -----------------------------------------------------------------------------
@@ -199,7 +223,7 @@ class RgpuMagics(Magics, Configurable):
             )
             rtt = session.ping()
         except rgpu.RgpuError as e:
-            raise UsageError(f"rgpu: {e}") from None
+            raise UsageError(f"rgpu: {hint(str(e))}") from None
         print(
             f"rgpu: connected to {session.url}, {session.device} ({session.device_name}), RTT {format_seconds(rtt)}"
         )
@@ -216,7 +240,7 @@ class RgpuMagics(Magics, Configurable):
         if self._widget is not None:
             self._widget.rtt = rtt
         if self.widget and self._frontend_shows_widgets():
-            self._show_widget(rtt)
+            self._show_widget(rtt, args, moving=False)
 
     def _do_disconnect(self, args: Any) -> None:
         session = self._session()
@@ -247,9 +271,20 @@ class RgpuMagics(Magics, Configurable):
             else:
                 held = f"{plural(info['tensors'], 'tensor')}, {format_bytes(info['bytes'])}"
                 lines.append(("held", held + " on the server"))
+                memory = memory_text(info)
+                if memory is not None:
+                    lines.append(("memory", memory))
+                lines.append(("use", utilization_text(info)))
                 lines.append(("RTT", format_seconds(rtt)))
                 if self._widget is not None:
                     self._widget.rtt = rtt
+                    self._widget.facts = info
+        last = self.accounting.recent(1)
+        if last:
+            lines.append((f"cell [{last[0].number}]", time_split(last[0])))
+            advice = advise(last[0], getattr(self._widget, "rtt", None))
+            if advice:
+                lines.append(("advice", advice))
         width = max(len(k) for k, _ in lines)
         print("\n".join(f"{k.ljust(width)}  {v}" for k, v in lines))
 
@@ -267,7 +302,7 @@ class RgpuMagics(Magics, Configurable):
         try:
             entries = rgpu.sessions()
         except rgpu.RgpuError as e:
-            raise UsageError(f"rgpu: {e}") from None
+            raise UsageError(f"rgpu: {hint(str(e))}") from None
         for e in entries:
             left = "" if e.seconds_left is None else f", {_format_left(e.seconds_left)} left"
             mark = "* " if e.current else "  "
@@ -282,7 +317,7 @@ class RgpuMagics(Magics, Configurable):
         try:
             rgpu.drop_session(args.target)
         except rgpu.RgpuError as e:
-            raise UsageError(f"rgpu: {e}") from None
+            raise UsageError(f"rgpu: {hint(str(e))}") from None
         print(f"rgpu: dropped the session {args.target!r}")
 
     def _do_ls(self, args: Any) -> None:
@@ -293,7 +328,7 @@ class RgpuMagics(Magics, Configurable):
         try:
             entries = rgpu.files.scandir(folder)
         except rgpu.RgpuError as e:
-            raise UsageError(f"rgpu: {e}") from None
+            raise UsageError(f"rgpu: {hint(str(e))}") from None
         if not entries:
             print(f"rgpu: {folder or 'the default root'} is empty")
             return
@@ -307,7 +342,7 @@ class RgpuMagics(Magics, Configurable):
             raise UsageError(
                 "rgpu: the widget needs a Jupyter frontend; in a terminal use %rgpu stats"
             )
-        self._show_widget()
+        self._show_widget(None, args, moving=True)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -321,8 +356,12 @@ class RgpuMagics(Magics, Configurable):
         """A Jupyter kernel can show widgets; a terminal IPython cannot."""
         return getattr(self.shell, "kernel", None) is not None
 
-    def _show_widget(self, rtt: float | None = None) -> Any:
+    def _show_widget(self, rtt: float | None, args: Any, moving: bool) -> Any:
+        """Show the kernel's one widget: in this cell (the older places keep a note), or in the
+        side panel. `%rgpu connect` (not `moving`) leaves a widget already in the side panel
+        there."""
         try:
+            from .placement import Placement
             from .widget import RgpuWidget
         except ImportError as e:
             raise UsageError(
@@ -330,23 +369,39 @@ class RgpuMagics(Magics, Configurable):
             ) from None
         w = self._widget
         if w is None or w.comm is None:
+            if self._placement is not None:
+                self._placement.close()
             w = self._widget = RgpuWidget(
                 self.accounting, interval=self.stats_interval, rows=self.widget_rows
             )
+            self._placement = Placement(w)
+            w.compact = self.widget_compact
         if rtt is not None:
             w.rtt = rtt
-        display(w)
+        if args.compact or args.full:
+            w.compact = args.compact
+        w.refresh()
+        placement = self._placement
+        if placement.in_side_panel and not (moving or args.side or args.inline):
+            return w  # reconnected: the widget in the side panel stays where it is
+        if (self.widget_side or args.side) and not args.inline:
+            placement.show_side()
+        else:
+            placement.show_inline()
         return w
 
     def _run_counted(self, cell: str) -> Any:
         """Run a cell like %%time does, then print its one-line cost, also when it raises."""
         shell = self.shell
-        source = shell.transform_cell(cell)
+        # a blank first line where %%rgpu was: line numbers (op sites, advice) match the cell's
+        source = "\n" + shell.transform_cell(cell)
         tree = shell.transform_ast(shell.compile.ast_parse(source))
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        filename = shell.compile.cache(source)
+        running = self.accounting._running  # named "cell [N]" as the accounting numbers it
+        number = running.number if running is not None else shell.execution_count
+        filename = shell.compile.cache(source, number)
         body = shell.compile(tree, filename, "exec")
         tail = shell.compile(last, filename, "eval") if last is not None else None
         ns = shell.user_ns
@@ -355,18 +410,27 @@ class RgpuMagics(Magics, Configurable):
         except rgpu.RgpuError:
             pass
         start = self.accounting.snapshot()
+        t0 = time.perf_counter()
         try:
             exec(body, ns)
             return eval(tail, ns) if tail is not None else None
         finally:
             end = self.accounting.snapshot()
-            print(cell_line(make_cost("", "", 0, end.since(start), 0.0, True)))
+            cost = make_cost("", "", 0, end.since(start), time.perf_counter() - t0, True)
+            cost.busiest, cost.busiest_waits = end.busiest_since(start)
+            print(cell_line(cost))
+            advice = advise(cost, getattr(self._widget, "rtt", None))
+            if advice:  # timing decides whether it shows: notebooks/sanitize.cfg drops it
+                print(f"rgpu: advice: {advice}")
 
     def close(self) -> None:
         """Stop the widget's timer and close it, and stop recording op sites (on %unload_ext)."""
         rgpu.settings.op_sites = False
         if rgpu.sites.name_file == self._cell_of:
             rgpu.sites.name_file = None
+        if self._placement is not None:
+            self._placement.close()
+            self._placement = None
         if self._widget is not None:
             self._widget.close()
             self._widget = None

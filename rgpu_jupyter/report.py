@@ -31,8 +31,13 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def format_seconds(s: float) -> str:
-    """`850 µs`, `12.5 ms`, `3.21 s`: three significant figures, the unit a person expects."""
+def format_seconds(s: float | None) -> str:
+    """`850 µs`, `12.5 ms`, `3.21 s`: three significant figures, the unit a person expects;
+    `—` for none at all and `<1 µs` for a sliver (never a misleading `0 µs`)."""
+    if s is None or s <= 0:
+        return "—"
+    if s < 0.5e-6:
+        return "<1 µs"
     if s < 1e-3:
         return f"{s * 1e6:.0f} µs"
     if s < 1:

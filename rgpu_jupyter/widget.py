@@ -1,10 +1,16 @@
-"""The live stats widget: what the running cell costs the remote device, and recent cells.
+"""The live stats widget: what the running cell costs the remote device, the device's memory and
+use, the link's round trip, transfers in flight, advice, and recent cells.
 
 Plain ipywidgets 8 (`VBox` of two `HTML`), so it needs no frontend extension. A daemon timer
 thread refreshes it at most 10 times a second while it is open. Each refresh assigns value traits
 only, inside `hold_sync`, and an unchanged value sends nothing: jupyter_server drops IOPub
 messages beyond 1000/s, so a per-op update would lose messages. The thread never prints and never
 touches an `Output` widget (output from threads lands in whichever cell runs next).
+
+Every `PROBE_S` seconds the same thread measures the round trip (a websocket ping) and asks the
+server for its device facts (a PEEK frame, `rgpu.peek`): neither is a message or a wait, neither
+shows in `rgpu.stats()`, and neither is sent while a large transfer is in flight (the answer would
+queue behind it and measure the transfer, not the link).
 
 The text repr is short and free of timings, because frontends without widget support (and nbval)
 show and compare it.
@@ -15,38 +21,33 @@ from __future__ import annotations
 import html
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import ipywidgets as widgets
 
 import rgpu
+from rgpu.peek import round_trip
+from rgpu.progress import active_transfers
 
-from .accounting import CellAccounting, CellCost
-from .report import format_bytes, format_seconds
+from .accounting import CellAccounting
+from .advice import advise
+from .render import (
+    CSS,
+    compact_html,
+    cost_html,
+    device_html,
+    head_html,
+    recent_html,
+    transfers_html,
+)
 
 log = logging.getLogger("rgpu_jupyter")
 
 MIN_INTERVAL = 0.1  # seconds between refreshes: at most 10 Hz
-
-_STATE_COLOURS = {
-    "connected": "#2e7d32",
-    "reconnecting": "#ef6c00",
-    "lost": "#c62828",
-    "closed": "#757575",
-    "not connected": "#757575",
-}
-
-_CSS = (
-    "<style>"
-    ".rgpu-w{font-family:var(--jp-ui-font-family,sans-serif);font-size:12px;line-height:1.5}"
-    ".rgpu-w .rgpu-dim{color:#757575}"
-    ".rgpu-w table{border-collapse:collapse;margin-top:2px}"
-    ".rgpu-w td,.rgpu-w th{padding:0 8px 0 0;text-align:right;white-space:nowrap}"
-    ".rgpu-w td.rgpu-code,.rgpu-w th.rgpu-code{text-align:left;font-family:var(--jp-code-font-family,monospace)}"
-    ".rgpu-w .rgpu-bar{display:inline-block;height:8px;background:#1e88e5;vertical-align:middle}"
-    ".rgpu-w tr.rgpu-top td{font-weight:bold}"
-    "</style>"
-)
+PROBE_S = 2.0  # seconds between round-trip and device-fact probes
+SHOWN_TRANSFER = 1 << 20  # transfers this big are listed while in flight...
+SHOWN_AFTER_S = 0.3  # ...or any that has taken this long
 
 
 def session_view() -> dict[str, str]:
@@ -63,11 +64,27 @@ def session_view() -> dict[str, str]:
     return view
 
 
-class RgpuWidget(widgets.VBox):
-    """Live view of the running cell's messages, waits, bytes and time, and a recent-cells chart.
+def shown_transfers() -> list[tuple[str, int, int, float]]:
+    """The transfers in flight worth showing (big, or slow)."""
+    return [t for t in active_transfers() if t[2] >= SHOWN_TRANSFER or t[3] >= SHOWN_AFTER_S]
 
-    Build it with the `CellAccounting` that records cells; `%rgpu connect` and `%rgpu widget` show
-    it. `autostart=False` leaves the timer off (tests then call `refresh()` themselves).
+
+def probe_session() -> tuple[float | None, dict | None] | None:
+    """(round trip, device facts) of the current session, or None when now is no time to ask
+    (not connected, or a large transfer is in flight)."""
+    s = rgpu.current_session()
+    if s is None or s.state != "connected" or shown_transfers():
+        return None
+    return round_trip(s), s.peek()
+
+
+class RgpuWidget(widgets.VBox):
+    """Live view of the running cell's messages, waits, bytes and time, the device, and a
+    recent-cells chart. One per kernel: `%rgpu connect` and `%rgpu widget` show it again
+    (rgpu_jupyter.placement) rather than build another.
+
+    Build it with the `CellAccounting` that records cells. `autostart=False` leaves the timer
+    off (tests then call `refresh()` and `probe_now()` themselves). `compact` shows one line.
     """
 
     def __init__(
@@ -77,7 +94,10 @@ class RgpuWidget(widgets.VBox):
         interval: float = 0.2,
         rows: int = 8,
         session: Callable[[], dict[str, str]] = session_view,
+        probe: Callable[[], tuple[float | None, dict | None] | None] = probe_session,
+        transfers: Callable[[], list] = shown_transfers,
         autostart: bool = True,
+        compact: bool = False,
     ) -> None:
         self.live = widgets.HTML()
         self.recent = widgets.HTML()
@@ -86,11 +106,18 @@ class RgpuWidget(widgets.VBox):
         self.accounting = accounting
         self.interval = max(MIN_INTERVAL, float(interval))
         self.rows = rows
-        self.rtt: float | None = None  # the last round trip measured by %rgpu connect / status
+        self.compact = compact
+        self.rtt: float | None = None  # the last round trip measured (a probe, or %rgpu status)
+        self.facts: dict | None = None  # the server's last device facts (PEEK or INFO)
+        self.advice: str | None = None  # what the shown cell's advice is, if any
         self.refreshes = 0
+        self.probes = 0
         self.errors = 0
         self._session = session
+        self._probe = probe
+        self._transfers = transfers
         self._url = ""
+        self._state_class = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refresh()
@@ -123,16 +150,32 @@ class RgpuWidget(widgets.VBox):
         super().close()
 
     def _run(self) -> None:
+        next_probe = time.monotonic()
         while not self._stop.wait(self.interval):
             if self.comm is None:  # the widget was closed
                 return
             try:
+                if time.monotonic() >= next_probe:
+                    self.probe_now()
+                    next_probe = time.monotonic() + PROBE_S
                 self.refresh()
             except Exception:  # never let a render bug surface in someone's cell
                 self.errors += 1
                 log.debug("rgpu_jupyter: widget refresh failed", exc_info=True)
                 if self.errors > 50:
                     return
+
+    def probe_now(self) -> None:
+        """Measure the round trip and read the device facts now (when the probe says it may)."""
+        got = self._probe()
+        if got is None:
+            return
+        rtt, facts = got
+        if rtt is not None:
+            self.rtt = rtt
+        if facts is not None:
+            self.facts = facts
+        self.probes += 1
 
     # -- rendering ---------------------------------------------------------------------------
 
@@ -142,81 +185,52 @@ class RgpuWidget(widgets.VBox):
         self._url = view["url"]
         live = self.accounting.live()
         recent = self.accounting.recent(self.rows)
-        live_html = _CSS + self._render_live(view, live, recent[-1] if recent else None)
-        recent_html = _render_recent(recent, self.rows)
-        style = {"lost": "danger", "reconnecting": "warning"}.get(
-            view["state"], "info" if live else ""
-        )
+        last = recent[-1] if recent else None
+        shown = live if live is not None else last
+        self.advice = advise(shown, self.rtt) if shown is not None else None
+        connected = view["state"] == "connected"
+        facts = self.facts if connected else None
+        if self.compact:
+            live_html = CSS + compact_html(view, shown, live is not None, facts, self.rtt)
+            recent_value = ""
+        else:
+            live_html = CSS + self._render_live(view, live, last, facts)
+            recent_value = recent_html(recent, self.rows)
+        state = view["state"] if view["state"] in ("lost", "reconnecting") else ""
+        state = state or ("running" if live is not None else "")
         with self.hold_sync(), self.live.hold_sync(), self.recent.hold_sync():
-            self.box_style = style
+            if state != self._state_class:
+                if self._state_class:
+                    self.remove_class(f"rgpu-{self._state_class}")
+                if state:
+                    self.add_class(f"rgpu-{state}")
+                self._state_class = state
             self.live.value = live_html
-            self.recent.value = recent_html
+            self.recent.value = recent_value
         self.refreshes += 1
 
-    def _render_live(
-        self, view: dict[str, str], live: CellCost | None, last: CellCost | None
-    ) -> str:
-        state = view["state"]
-        colour = _STATE_COLOURS.get(state, "#757575")
-        head = [
-            f'<b style="color:{colour}">●</b> <span class="rgpu-state">{html.escape(state)}</span>'
-        ]
-        if view["url"]:
-            head.append(f'<span class="rgpu-server">{html.escape(view["url"])}</span>')
-        if view["device"]:
-            head.append(html.escape(view["device"]))
-        if view.get("session"):
-            head.append(f'session <span class="rgpu-session">{html.escape(view["session"])}</span>')
-        if self.rtt is not None and state == "connected":
-            head.append(f"RTT {format_seconds(self.rtt)}")
-        if live is not None:
-            what, cost = f"running [{live.number}]", live
-        elif last is not None:
-            what, cost = f"last cell [{last.number}]", last
-        else:
-            what, cost = "no cell has used rgpu yet", None
-        line = f'<span class="rgpu-what">{what}</span>'
-        if cost is not None:
-            line += (
-                f': <span class="rgpu-messages">{cost.messages}</span> messages · '
-                f'<span class="rgpu-waits">{cost.waits}</span> waits · '
-                f'<span class="rgpu-out">{format_bytes(cost.bytes_out)}</span> out · '
-                f'<span class="rgpu-in">{format_bytes(cost.bytes_in)}</span> in · '
-                f'<span class="rgpu-elapsed">{format_seconds(cost.wall_seconds)}</span>'
-            )
+    def _render_live(self, view: dict[str, str], live, last, facts: dict | None) -> str:
+        lines = [f"rgpu {' · '.join(head_html(view, self.rtt))}"]
+        device = device_html(facts)
+        if device:
+            lines.append(f'<span class="rgpu-device">{device}</span>')
         if view.get("kept"):
-            line = (
+            lines.append(
                 f'<span class="rgpu-kept">kept: {html.escape(view["kept"])} '
-                "(rgpu.kept(NAME) to use)</span><br>" + line
+                "(rgpu.kept(NAME) to use)</span>"
             )
-        return f'<div class="rgpu-w rgpu-live">rgpu {" · ".join(head)}<br>{line}</div>'
+        if live is not None:
+            lines.append(cost_html(f"running [{live.number}]", live))
+        elif last is not None:
+            lines.append(cost_html(f"last cell [{last.number}]", last))
+        else:
+            lines.append(cost_html("no cell has used rgpu yet", None))
+        moving = transfers_html(self._transfers())
+        if moving:
+            lines.append(moving)
+        if self.advice:
+            lines.append(f'<span class="rgpu-advice">advice: {html.escape(self.advice)}</span>')
+        return f'<div class="rgpu-w rgpu-live">{"<br>".join(lines)}</div>'
 
     def __repr__(self) -> str:
         return f"RgpuWidget(server={self._url or None})"
-
-
-def _render_recent(rows: list[CellCost], limit: int) -> str:
-    """A small table of recent cells with a bar per cell, so the expensive one stands out."""
-    if not rows:
-        return ""
-    rows = rows[-limit:]
-    top = max(rows, key=lambda r: (r.wait_seconds, r.waits))
-    scale = max(top.wait_seconds, 1e-9)
-    body = []
-    for r in rows:
-        width = max(1, round(80 * r.wait_seconds / scale))
-        cls = ' class="rgpu-top"' if r is top and len(rows) > 1 else ""
-        mark = "" if r.success else " ✗"
-        body.append(
-            f"<tr{cls}><td>[{r.number}]{mark}</td><td>{r.messages}</td><td>{r.waits}</td>"
-            f"<td>{format_bytes(r.bytes_out)}</td><td>{format_bytes(r.bytes_in)}</td>"
-            f"<td>{format_seconds(r.wall_seconds)}</td>"
-            f'<td style="text-align:left"><span class="rgpu-bar" style="width:{width}px"></span> '
-            f"{format_seconds(r.wait_seconds)}</td>"
-            f'<td class="rgpu-code">{html.escape(r.label)}</td></tr>'
-        )
-    head = (
-        "<tr><th>cell</th><th>messages</th><th>waits</th><th>out</th><th>in</th><th>wall</th>"
-        '<th style="text-align:left">waiting</th><th class="rgpu-code">code</th></tr>'
-    )
-    return f'<div class="rgpu-w rgpu-recent"><table>{head}{"".join(body)}</table></div>'

@@ -55,7 +55,11 @@ from .frames import (
     parse_ack,
     parse_cancel,
     parse_chunk,
+    parse_peek,
+    parse_peek_reply,
     parse_reply,
+    peek_frame,
+    peek_reply_frame,
     reply_frame,
 )
 from .handshake import (
@@ -156,6 +160,10 @@ __all__ = [
     "parse_cancel",
     "parse_chunk",
     "parse_handshake",
+    "parse_peek",
+    "parse_peek_reply",
+    "peek_frame",
+    "peek_reply_frame",
     "parse_reply",
     "ref_ext",
     "refuse_frame",

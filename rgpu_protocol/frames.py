@@ -12,6 +12,8 @@ A websocket message is a *frame*. Its first byte says what it is:
 * ``DATA`` (server to client) -- raw tensor bytes belonging to a DOWNLOAD reply.
 * ``ACK`` (server to client) -- the sequence number of the last message applied, so the client
   can drop what it keeps for replay after a dropped connection.
+* ``PEEK`` / ``PEEK_REPLY`` -- live facts about the device and the session, asked and answered out
+  of band: no sequence number, not behind the queued work (a live view polls them).
 
 Messages, the items of a BATCH, are described in `messages`; the handshake in `handshake`.
 """
@@ -36,9 +38,11 @@ class Frame(IntEnum):
     CHUNK = 0x02
     BATCH_Z = 0x03  # a BATCH frame, zlib-compressed after its kind byte
     CANCEL = 0x04  # u64: skip the work of every message up to this one not started yet
+    PEEK = 0x05  # u64 token: answer at once with live facts (PEEK_REPLY), outside the stream
     REPLY = 0x11
     DATA = 0x12
     ACK = 0x13  # server to client: every message up to this sequence number has been applied
+    PEEK_REPLY = 0x14  # u64 token, then a msgpack map of live facts
     HELLO = 0x20
     WELCOME = 0x21
     REFUSE = 0x22
@@ -82,6 +86,32 @@ def parse_cancel(frame: bytes | memoryview) -> int:
     if len(frame) != 9:
         raise ProtocolError("CANCEL frame must hold one u64")
     return _U64.unpack_from(frame, 1)[0]
+
+
+def peek_frame(token: int) -> bytes:
+    return bytes((Frame.PEEK,)) + _U64.pack(token)
+
+
+def parse_peek(frame: bytes | memoryview) -> int:
+    if len(frame) != 9:
+        raise ProtocolError("PEEK frame must hold one u64")
+    return _U64.unpack_from(frame, 1)[0]
+
+
+def peek_reply_frame(token: int, facts: dict) -> bytes:
+    return bytes((Frame.PEEK_REPLY,)) + _U64.pack(token) + msgpack.packb(facts)
+
+
+def parse_peek_reply(
+    frame: bytes | memoryview, limits: Limits = DEFAULT_LIMITS
+) -> tuple[int, dict]:
+    """(token, facts) of a PEEK_REPLY frame."""
+    if len(frame) < 10:
+        raise ProtocolError("PEEK_REPLY frame too short")
+    facts = unpack_one(memoryview(frame)[9:], limits)
+    if type(facts) is not dict:
+        raise ProtocolError("PEEK_REPLY must hold a map")
+    return _U64.unpack_from(frame, 1)[0], facts
 
 
 def parse_ack(frame: bytes | memoryview) -> int:

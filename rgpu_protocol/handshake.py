@@ -80,6 +80,7 @@ class Welcome:
     name: str | None = None  # a named session's name
     attached: bool = False  # a named session re-opened: only its kept objects are left
     kept: tuple[str, ...] = ()  # the names `rgpu.keep` gave objects in this session
+    peek: bool = False  # the server answers PEEK frames (live device facts, out of band)
 
     def frame(self) -> bytes:
         d = asdict(self)
@@ -113,6 +114,7 @@ class Welcome:
             name=_typed(d, "name", (str,), None),
             attached=bool(d.get("attached", False)),
             kept=tuple(str(k) for k in kept) if type(kept := d.get("kept")) is list else (),
+            peek=d.get("peek") is True,
         )
 
 

@@ -9,6 +9,7 @@ running. A screenshot goes to test-artifacts/.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -65,26 +66,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def jupyterlab(server, tmp_path):
-    """A JupyterLab server whose kernels reach the test rgpu server; yields (url, notebook)."""
-    root = tmp_path / "lab"
-    root.mkdir()
-    nb = nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell(TRAIN_CELL)],
-        metadata={
-            "kernelspec": {
-                "name": "python3",
-                "display_name": "Python 3 (ipykernel)",
-                "language": "python",
-            }
-        },
-    )
-    nbformat.write(nb, root / "live.ipynb")
+@contextlib.contextmanager
+def start_jupyterlab(tmp_path: Path, env: dict, notebook: str):
+    """JupyterLab on a free port with a token, serving `tmp_path / "lab"`; yields the URL that
+    opens `notebook`. Stopped (its whole process group) on exit."""
     port, token = _free_port(), secrets.token_hex(16)
     env = {
-        **os.environ,
-        "RGPU_SERVER": server.url,
+        **env,
         "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
         "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
         "IPYTHONDIR": str(tmp_path / "ipython"),
@@ -92,7 +80,7 @@ def jupyterlab(server, tmp_path):
     cmd = [
         sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
         f"--port={port}", "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
-        f"--ServerApp.root_dir={root}", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--ServerApp.root_dir={tmp_path / 'lab'}", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
         "--LabApp.news_url=None",
     ]  # fmt: skip
     log = open(tmp_path / "jupyterlab.log", "w")
@@ -111,7 +99,7 @@ def jupyterlab(server, tmp_path):
                     log_text = (tmp_path / "jupyterlab.log").read_text()[-3000:]
                     raise RuntimeError("JupyterLab did not start:\n" + log_text) from None
                 time.sleep(0.2)
-        yield f"{base}/lab/tree/live.ipynb?token={token}"
+        yield f"{base}/lab/tree/{notebook}?token={token}"
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -119,6 +107,26 @@ def jupyterlab(server, tmp_path):
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.fixture
+def jupyterlab(server, tmp_path):
+    """A JupyterLab server whose kernels reach the test rgpu server; yields the notebook's URL."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(TRAIN_CELL)],
+        metadata={
+            "kernelspec": {
+                "name": "python3",
+                "display_name": "Python 3 (ipykernel)",
+                "language": "python",
+            }
+        },
+    )
+    nbformat.write(nb, root / "live.ipynb")
+    with start_jupyterlab(tmp_path, {**os.environ, "RGPU_SERVER": server.url}, "live.ipynb") as url:
+        yield url
 
 
 def _counters(page) -> tuple[str, int, int]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
+from ipywidgets.widgets.widget import _instances
 
 import rgpu
 import rgpu_jupyter
@@ -81,10 +82,15 @@ def test_connect_shows_the_widget_in_a_kernel_unless_turned_off(ip, server, monk
         ip.run_line_magic("rgpu", f"connect {server.url}")
     assert len(shown.outputs) == 1
     assert shown.outputs[0].data["text/plain"] == f"RgpuWidget(server={server.url})"
-    view = shown.outputs[0].data["application/vnd.jupyter.widget-view+json"]
+    core, (first,) = m._widget, m._placement.frames
     with capture_output() as again:
-        ip.run_line_magic("rgpu", "widget")  # the same widget, shown once more
-    assert again.outputs[0].data["application/vnd.jupyter.widget-view+json"] == view
+        ip.run_line_magic("rgpu", "widget")  # the same widget, shown once more: it moves
+    assert len(again.outputs) == 1 and m._widget is core
+    assert again.outputs[0].data["text/plain"] == f"RgpuWidget(server={server.url})"
+    (second,) = m._placement.frames
+    assert second is not first and second.children == (core,)
+    assert first.children != (core,) and "moved to a later cell" in first.children[0].value
+    assert [f for f in _instances.values() if core in getattr(f, "children", ())] == [second]
     ip.run_line_magic("config", "RgpuMagics.stats_interval = 0.5")
     assert m._widget.interval == 0.5 and m._widget.running
     ip.run_line_magic("config", "RgpuMagics.stats_interval = 0.2")
@@ -205,6 +211,9 @@ def test_cell_magic_takes_no_arguments(connected):
         ("connect ftp://127.0.0.1:9", "ws:// or wss://"),
         ("connect 127.0.0.1:1", "cannot reach an rgpu server"),
         ("widget", "needs a Jupyter frontend"),
+        ("status --side", "belong to %rgpu widget"),
+        ("widget --side --inline", "choose one of --side / --inline"),
+        ("widget --compact --full", "choose one of"),
     ],
 )
 def test_each_user_mistake_is_a_one_line_usage_error(ip, line, message):
@@ -400,7 +409,9 @@ def test_status_shows_a_pending_server_error_instead_of_raising_it(connected, ca
     out = capsys.readouterr().out
     assert re.search(r"^state +connected$", out, re.M)
     assert re.search(
-        r"^error +aten::gather\.default failed on the rgpu server: .*index 7", out, re.M
+        r"^error +aten::gather\.default failed on the rgpu server( \(queued at [^)]*\))?: .*index 7",
+        out,
+        re.M,
     ), out
     torch.rgpu.synchronize()  # reported once
 
@@ -477,3 +488,136 @@ def test_a_server_failure_names_the_cell_and_line_that_queued_it(connected, caps
         f"rgpu.errors.RemoteError: aten::index_select.default failed on the rgpu server (queued at cell [{queued_in}], line 2)"
     )
     assert len(shown) == 6  # no rgpu frame shown
+
+
+# -- the second round (issue 16) --------------------------------------------------------------
+
+
+def test_cells_are_numbered_by_their_execution_count_after_a_reload(connected):
+    connected.run_line_magic("reload_ext", "rgpu_jupyter")
+    acc = magics(connected).accounting
+    for _ in range(2):
+        connected.run_cell("torch.ones(2, device='rgpu').sum().item()", store_history=True)
+    counts = [connected.execution_count - 2, connected.execution_count - 1]
+    assert [r.number for r in acc.recent()] == counts
+
+
+def test_cells_of_rgpu_magics_only_are_not_counted(connected):
+    acc = magics(connected).accounting
+    acc.clear()
+    with capture_output():
+        connected.run_cell("%rgpu status", cell_id="status")
+        connected.run_cell("# just looking\n%rgpu status", cell_id="status2")
+        connected.run_cell("%rgpu status\nv = torch.ones(2, device='rgpu').sum().item()",
+                           cell_id="work")  # fmt: skip
+    assert list(acc.history) == ["work"]
+
+
+def test_status_shows_device_memory_use_and_the_last_cell(connected, capsys):
+    connected.run_cell("v = torch.ones(2, device='rgpu').sum().item()", cell_id="one")
+    capsys.readouterr()
+    connected.run_line_magic("rgpu", "status")
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^memory +\d+\.\d [KMGT]iB / \d+\.\d [KMGT]iB host RAM, this session \d+(\.\d)? (B|KiB|MiB)"
+        r" \(server process \d+\.\d [KMG]iB\)$",
+        out,
+        re.M,
+    ), out
+    assert re.search(r"^use +n/a on a CPU server \(load \d+\.\d\d on \d+ cores?\)$", out, re.M)
+    number = magics(connected).accounting.recent(1)[0].number
+    assert re.search(rf"^cell \[{number}\] +\d", out, re.M), out
+
+
+def test_cell_magic_prints_advice_when_the_cell_mostly_waited(connected, capsys, monkeypatch):
+    import rgpu_jupyter.advice as advice
+
+    monkeypatch.setattr(advice, "MIN_WAIT_S", 0.0)
+    monkeypatch.setattr(advice, "WAIT_SHARE", 0.0)
+    connected.run_cell(
+        "%%rgpu\nx = torch.ones(2, device='rgpu')\nfor _ in range(12):\n    x.sum().item()"
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert LINE.match(out[0]) and out[0].split(", ")[1] == "12 waits"
+    assert re.match(
+        r"^rgpu: advice: 12 waits from `x.sum\(\).item\(\)` at cell \[\d+\], line 4 ?"
+        r"(\(a round trip of .+ each\))?: read it with \.to\(\"cpu\", non_blocking=True\)",
+        out[1],
+    ), out
+
+
+def test_cell_magic_prints_no_advice_for_a_cell_that_did_not_wait_long(connected, capsys):
+    connected.run_cell("%%rgpu\nv = torch.ones(2, device='rgpu').sum().item()")
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_hints_use_the_magic_form_in_ipython(ip, server):
+    from rgpu.errors import hint
+
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("rgpu", f"connect {server.url} --token wrong")
+    assert "pass it with %rgpu connect URL --token TOKEN, the RGPU_TOKEN" in str(e.value)
+    assert (
+        hint("call rgpu.connect(url) to use a remote GPU")
+        == "run %rgpu connect URL to use a remote GPU"
+    )
+
+
+def test_hints_stay_python_without_the_magic(ip):
+    from rgpu.errors import hint
+
+    ip.run_line_magic("unload_ext", "rgpu_jupyter")
+    try:
+        assert hint("Call rgpu.connect() to start") == "Call rgpu.connect() to start"
+    finally:
+        ip.run_line_magic("load_ext", "rgpu_jupyter")
+
+
+def test_side_panel_without_sidecar_says_so_and_shows_the_widget_here(ip, server, monkeypatch):
+    import sys
+
+    m = magics(ip)
+    monkeypatch.setattr(m, "_frontend_shows_widgets", lambda: True)
+    monkeypatch.setitem(sys.modules, "sidecar", None)
+    try:
+        with capture_output() as shown:
+            ip.run_line_magic("rgpu", f"connect {server.url}")
+            ip.run_line_magic("rgpu", "widget --side")
+        assert "the side panel needs the sidecar package (pip install sidecar" in shown.stdout
+        assert len(shown.outputs) == 2 and m._placement.sidecar is None
+    finally:
+        m.close()
+
+
+def test_side_panel_holds_the_one_widget_and_connect_leaves_it_there(ip, server, monkeypatch):
+    pytest.importorskip("sidecar")
+    m = magics(ip)
+    monkeypatch.setattr(m, "_frontend_shows_widgets", lambda: True)
+    try:
+        with capture_output() as shown:
+            ip.run_line_magic("rgpu", f"connect {server.url}")
+            ip.run_line_magic("rgpu", "widget --side --compact")
+            ip.run_line_magic("rgpu", f"connect {server.url}")  # no copy in this cell
+        assert "in JupyterLab's side panel" in shown.stdout
+        assert m._placement.in_side_panel and m._widget.compact
+        (frame,) = m._placement.frames
+        assert frame.children == (m._widget,)
+        assert len(shown.outputs) == 2  # the first connect's widget, and the frame in the panel
+        with capture_output():
+            ip.run_line_magic("rgpu", "widget --full")  # back into the cell
+        assert not m._placement.in_side_panel and not m._widget.compact
+    finally:
+        m.close()
+
+
+def test_an_interrupt_shows_rgpus_note_on_the_queued_work(ip, capsys):
+    """IPython 8 leaves exception notes out of tracebacks; the extension prints rgpu's."""
+    ip.run_cell(
+        "e = KeyboardInterrupt()\n"
+        "e.add_note('rgpu: the server skips the work of up to 3 queued message(s)')\n"
+        "e.add_note('not ours')\n"
+        "raise e"
+    )
+    out = capsys.readouterr().out
+    assert "rgpu: the server skips the work of up to 3 queued message(s)\n" in out
+    assert "not ours\n" not in out

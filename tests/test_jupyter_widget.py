@@ -75,6 +75,7 @@ class FakeStats:
             return Snapshot(self.token, dict(self.values))
 
 
+STATE_CLASSES = {"rgpu-running", "rgpu-lost", "rgpu-reconnecting"}
 VIEW = {"url": "ws://127.0.0.1:4321", "state": "connected", "device": "cpu (CPU)"}
 
 
@@ -111,7 +112,7 @@ def test_builds_headlessly_and_shows_the_connection():
     assert span(w.live.value, "server") == "ws://127.0.0.1:4321"
     assert "no cell has used rgpu yet" in w.live.value
     assert w.recent.value == ""
-    assert w.box_style == ""
+    assert not STATE_CLASSES & set(w._dom_classes)
 
 
 def test_repr_is_short_stable_and_names_only_the_server():
@@ -136,18 +137,18 @@ def test_running_cell_counts_and_elapsed_time_update():
     assert span(w.live.value, "what") == "running [1]"
     assert (span(w.live.value, "messages"), span(w.live.value, "waits")) == ("120", "2")
     assert (span(w.live.value, "out"), span(w.live.value, "in")) == ("4.0 KiB", "10 B")
-    assert w.box_style == "info"
+    assert "rgpu-running" in w._dom_classes
     first = span(w.live.value, "elapsed")
     time.sleep(0.02)
     stats.add(messages=30, waits=1)
     w.refresh()
     assert (span(w.live.value, "messages"), span(w.live.value, "waits")) == ("150", "3")
     assert span(w.live.value, "elapsed") != first
-    acc.post_run_cell(SimpleNamespace(info=acc._running[0], success=True))
+    acc.post_run_cell(SimpleNamespace(info=acc._running.info, success=True))
     w.refresh()
     assert span(w.live.value, "what") == "last cell [1]"
     assert span(w.live.value, "messages") == "150"
-    assert w.box_style == ""
+    assert not STATE_CLASSES & set(w._dom_classes)
 
 
 def test_connection_state_is_shown_and_coloured():
@@ -156,15 +157,16 @@ def test_connection_state_is_shown_and_coloured():
     acc, w = make(stats, view=view)
     w.rtt = 0.0123
     w.refresh()
-    assert "RTT 12.3 ms" in w.live.value
+    assert span(w.live.value, "rtt") == "12.3 ms"
     view["state"] = "lost"
     w._session = lambda: dict(view)
     w.refresh()
-    assert span(w.live.value, "state") == "lost" and w.box_style == "danger"
+    assert span(w.live.value, "state") == "lost" and "rgpu-lost" in w._dom_classes
     assert "RTT" not in w.live.value
     view["state"] = "reconnecting"
     w.refresh()
-    assert span(w.live.value, "state") == "reconnecting" and w.box_style == "warning"
+    assert span(w.live.value, "state") == "reconnecting"
+    assert "rgpu-reconnecting" in w._dom_classes and "rgpu-lost" not in w._dom_classes
 
 
 def test_history_chart_makes_the_expensive_cell_stand_out():
@@ -207,12 +209,12 @@ def test_a_refresh_sends_one_update_per_changed_widget_and_nothing_when_unchange
     stats.add(messages=3)
     w.refresh()
     assert len(updates(w.live)) == 1 and set(updates(w.live)[0]) == {"value"}
-    assert updates(w) == [{"box_style": "info"}]
+    assert updates(w) == [{"_dom_classes": ("rgpu-widget", "rgpu-running")}]
     assert updates(w.recent) == []  # unchanged: nothing sent
     for x in (w, w.live, w.recent):
         x.comm.messages.clear()
     w.refresh()  # nothing moved (the elapsed time did; freeze it by ending the cell first)
-    acc.post_run_cell(SimpleNamespace(info=acc._running[0], success=True))
+    acc.post_run_cell(SimpleNamespace(info=acc._running.info, success=True))
     w.refresh()
     for x in (w, w.live, w.recent):
         x.comm.messages.clear()
@@ -236,7 +238,7 @@ def test_hold_sync_batches_the_traits_of_one_refresh(monkeypatch):
     stats.add(messages=3)
     w.refresh()
     # every send went through hold_sync's exit with the batched keys, never one per assignment
-    assert (w.live, ["value"]) in sent and (w, ["box_style"]) in sent
+    assert (w.live, ["value"]) in sent and (w, ["_dom_classes"]) in sent
     assert all(key is not None for _, key in sent)
 
 
@@ -323,3 +325,111 @@ def test_live_counts_follow_a_real_cell_while_it_runs(dev):
     assert row.waits == steps  # exactly one wait per .item()
     assert row.messages >= 23 * steps
     assert span(w.live.value, "server") == rgpu.current_session().url
+
+
+# -- the device, the link, transfers, advice --------------------------------------------------
+
+CPU_FACTS = {
+    "tensors": 2, "bytes": 4096, "memory_used": 3 << 30, "memory_total": 24 << 30,
+    "memory_process": 200 << 20, "utilization": None,
+    "utilization_note": "n/a on a CPU server", "load_average": 1.5, "cpus": 2,
+}  # fmt: skip
+
+
+def test_probe_fills_in_round_trip_and_device_memory():
+    probes = []
+    _, w = make(FakeStats(), probe=lambda: probes.append(1) or (0.0042, dict(CPU_FACTS)))
+    assert "rgpu-memory" not in w.live.value  # nothing known before the first probe
+    w.probe_now()
+    w.refresh()
+    assert span(w.live.value, "rtt") == "4.2 ms"
+    assert span(w.live.value, "memory") == (
+        "3.0 GiB / 24.0 GiB host RAM, this session 4.0 KiB (server process 200.0 MiB)"
+    )
+    assert span(w.live.value, "util") == "n/a on a CPU server (load 1.50 on 2 cores)"
+    assert 'class="rgpu-meter"><span style="width:12%">' in w.live.value
+    assert probes == [1] and w.probes == 1
+
+
+def test_a_skipped_probe_keeps_the_last_values():
+    answers = [(0.002, dict(CPU_FACTS)), None]
+    _, w = make(FakeStats(), probe=lambda: answers.pop(0))
+    w.probe_now()
+    w.probe_now()  # a transfer is in flight: nothing asked
+    w.refresh()
+    assert span(w.live.value, "rtt") == "2.0 ms" and w.probes == 1
+
+
+def test_the_timer_probes_every_two_seconds_not_every_refresh(monkeypatch):
+    import rgpu_jupyter.widget as widget_module
+
+    monkeypatch.setattr(widget_module, "PROBE_S", 0.25)
+    calls = []
+    _, w = make(FakeStats(), interval=0.1, probe=lambda: calls.append(time.monotonic()))
+    w.start()
+    time.sleep(0.8)
+    w.close()
+    assert 2 <= len(calls) <= 5 and w.refreshes >= 5
+
+
+def test_a_transfer_in_flight_shows_its_progress():
+    moving = [("rgpu download", 120 << 20, 381 << 20, 2.0)]
+    stats = FakeStats()
+    acc, w = make(stats, transfers=lambda: list(moving))
+    acc.pre_run_cell(SimpleNamespace(cell_id="a", raw_cell="x.cpu()"))
+    w.refresh()
+    assert re.search(
+        r'class="rgpu-transfer">rgpu download <span class="rgpu-meter"><span style="width:31%">'
+        r"</span></span>120.0 MiB / 381.0 MiB \(31%\)</span>",
+        w.live.value,
+    )
+    moving.clear()
+    w.refresh()
+    assert "rgpu-transfer" not in w.live.value
+
+
+def test_advice_shows_for_a_cell_that_mostly_waited_and_not_otherwise():
+    stats = FakeStats()
+    acc, w = make(stats)
+    run_cell(acc, stats, "fine", messages=5, waits=1, wait_seconds=0.001)
+    w.refresh()
+    assert 'class="rgpu-advice"' not in w.live.value and w.advice is None
+    info = SimpleNamespace(cell_id="slow", raw_cell="loop()")
+    acc.pre_run_cell(info)
+    acc._running.t0 -= 1.0  # the cell has run a second, most of it waiting
+    stats.add(messages=40, waits=40, wait_seconds=0.9)
+    w.refresh()
+    assert span(w.live.value, "advice").startswith("advice: 40 waits, each a round trip")
+
+
+def test_compact_mode_is_one_line_without_the_chart():
+    stats = FakeStats()
+    acc, w = make(stats, compact=True, probe=lambda: (0.001, dict(CPU_FACTS)))
+    run_cell(acc, stats, "a", messages=3, waits=1, wait_seconds=0.001)
+    w.probe_now()
+    w.refresh()
+    assert w.recent.value == "" and "<br>" not in w.live.value
+    assert span(w.live.value, "what") == "[1]" and span(w.live.value, "waits") == "1"
+    assert "1</span> wait ·" in w.live.value  # "1 wait", not "1 waits"
+    assert span(w.live.value, "memory") == "3.0 GiB / 24.0 GiB"
+    w.compact = False
+    w.refresh()
+    assert "[1]" in w.recent.value
+
+
+def test_one_wait_is_singular_in_the_full_view():
+    stats = FakeStats()
+    acc, w = make(stats)
+    run_cell(acc, stats, "a", messages=1, waits=1)
+    w.refresh()
+    assert "1</span> message ·" in w.live.value and "1</span> wait ·" in w.live.value
+
+
+def test_the_page_can_say_the_kernel_is_gone_on_its_own():
+    """After a restart no update comes: the view carries a 'kernel gone' state that CSS shows
+    when the widget manager marks the view disconnected."""
+    _, w = make(FakeStats())
+    assert '<span class="rgpu-alive">' in w.live.value
+    assert 'class="rgpu-state-gone">kernel gone: this view is stale<' in w.live.value
+    assert ".jupyter-widgets-disconnected .rgpu-w .rgpu-alive{display:none}" in w.live.value
+    assert ".jupyter-widgets-disconnected .rgpu-w .rgpu-gone{display:inline}" in w.live.value

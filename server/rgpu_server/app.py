@@ -32,6 +32,8 @@ from rgpu_protocol import (
     ProtocolError,
     Welcome,
     parse_cancel,
+    parse_peek,
+    peek_reply_frame,
     torch_major_minor,
 )
 from rgpu_protocol.handshake import (
@@ -52,6 +54,7 @@ log = logging.getLogger("rgpu_server")
 
 HELLO_TIMEOUT = 10.0
 _CANCEL = bytes((Frame.CANCEL,))
+_PEEK = bytes((Frame.PEEK,))
 MAX_BACKLOG = 256 << 20  # bytes received but not yet executed, per session, before reading pauses
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -339,6 +342,7 @@ class RgpuServer:
             name=session.name,
             attached=opened.attached,
             kept=tuple(sorted(session.kept)),
+            peek=True,
         )
         await ws.send(welcome.frame())
         old_ws = self.registry.connection.get(session.id)
@@ -372,6 +376,10 @@ class RgpuServer:
                     session.stream.cancel(upto)
                     log.info("session %s: interrupt: work up to message %d not started yet is "
                              "cancelled", session.hex, upto)  # fmt: skip
+                    continue
+                if frame[:1] == _PEEK:  # out of band: live facts now, not behind queued work
+                    facts = await asyncio.to_thread(session.peek)
+                    await ws.send(peek_reply_frame(parse_peek(frame), facts))
                     continue
                 received += len(frame)
                 session.put(generation, frame)

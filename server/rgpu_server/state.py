@@ -18,6 +18,7 @@ from rgpu_protocol import DEFAULT_SEED, Limits, Status
 from rgpu_protocol.server_stream import ServerStream
 
 from . import graphs
+from .devices import live_facts
 from .lane import DEFAULT_STAGE_LIMIT, ServerLane, StagedUploads
 from .poison import Poison
 from .quota import Quota
@@ -184,4 +185,11 @@ class SessionState:
             "compile": graphs.CACHE.counters(),
             "device": str(self.device),
             "server": self.server_info() if self.server_info is not None else {},
+            **live_facts(self.device),  # memory used / total, utilisation: read now
         }
+
+    def peek(self) -> dict:
+        """What a PEEK frame asks for: the live device facts and what this session holds (not
+        its stream position: the peek is answered out of band, from the event loop's side)."""
+        count, nbytes = self.memory()
+        return {"tensors": count, "bytes": nbytes, **live_facts(self.device)}
