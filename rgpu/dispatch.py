@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from . import current as _cur
+from . import meta_fixes
 from . import tensor as _tensor
 from .protocol import Kind, TensorMeta, ref_ext
 from .session import dense_strides
@@ -46,11 +47,6 @@ MAX_DYNAMIC_OUTPUTS = 4096
 _FLOAT_SHAPE_OPS = re.compile(
     r"^(arange|range|linspace|logspace|_?upsample_\w+|histc|_histogramdd\w*)$"
 )
-# Ops whose meta strides (or shapes) are known to differ from real kernels: tell the server what
-# we predicted, so it makes its outputs match.
-_CONFORM_OPS = re.compile(
-    r"^(_linalg_svd|linalg_eig|_linalg_eig|_fft_r2c|_fft_c2r|_fft_c2c|native_batch_norm|_native_batch_norm_legit\w*|_embedding_bag_forward_only|_embedding_bag)$"
-)
 
 
 class OpInfo:
@@ -79,7 +75,7 @@ class OpInfo:
         rets = schema.returns
         self.nret = len(rets)
         self.nontensor = bool(rets) and not any(_is_tensorish(r.type) for r in rets)
-        self.conform = bool(_CONFORM_OPS.match(name))
+        self.conform = meta_fixes.may_ask_server(name)  # outputs only the server can lay out
         self.special = _SPECIAL.get(func)
         # returns that alias a written argument: (return index, argument position, argument name)
         self.write_rets: list[tuple[int, int, str]] = []
@@ -101,7 +97,9 @@ def _is_tensorish(t: Any) -> bool:
 
 _INFO: dict[int, OpInfo] = {}
 _KEEP: list = []
-_PLANS: dict[tuple, Any] = {}
+_PLANS: dict[tuple, Any] = {}  # the plans of the current session's device type
+_PLANS_BY_DEVICE: dict[str, dict] = {}
+_plans_session: list = [None]
 _SPECIAL: dict[Any, Any] = {}
 
 
@@ -246,7 +244,7 @@ def _infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     margs = tuple(_to_meta(a, ("a", i), paths, memo) for i, a in enumerate(args))
     mkwargs = {k: _to_meta(v, ("k", k), paths, memo) for k, v in kwargs.items()}
     try:
-        out = func(*margs, **mkwargs)
+        out = meta_fixes.run_meta(func, margs, mkwargs, meta_fixes.device_type(sess.device))
     except (NotImplementedError, DynamicOutputShapeException, DataDependentOutputException):
         return _DYN
     except Exception as e:
@@ -256,8 +254,8 @@ def _infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     if info.nontensor or (info.dynamic and not isinstance(out, (torch.Tensor, list, tuple))):
         return _DYN
     _require_strided(out, func)
-    if info.conform and not info.write_rets:
-        return _LEARN
+    if info.conform and meta_fixes.must_ask_server(func, margs):
+        return _DYN if info.write_rets else _LEARN
     spec = _spec_of(out, paths)
     patches = tuple(
         (path, key_of_meta(m)) for path, m, key in paths.values() if key_of_meta(m) != key
@@ -362,15 +360,16 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         key = _plan_key(func, info, args, kwargs, sess)
     except Traced:
         return run_traced(func, args, kwargs)
-    plan = _PLANS.get(key)
+    plans = _PLANS if sess is _plans_session[0] else _plans_for(sess)
+    plan = plans.get(key)
     if plan is None:
         plan = _infer(func, info, args, kwargs, sess)
-        _PLANS[key] = plan
+        plans[key] = plan
     if plan is _DYN:
         return run_dynamic(func, info, args, kwargs, sess)
     if plan is _LEARN:
         out = run_dynamic(func, info, args, kwargs, sess)
-        _PLANS[key] = _plan_from_outputs(out)
+        plans[key] = _plan_from_outputs(out)
         return out
     single = plan.single_key
     if single is not None:
@@ -396,6 +395,14 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     else:
         sess.post((_RUN, info.wire, args, kwargs or None, ids, plan.expect))
     return out
+
+
+def _plans_for(sess) -> dict:
+    """Plans predict one kind of device's layouts: a session on another kind gets its own."""
+    global _PLANS
+    _PLANS = _PLANS_BY_DEVICE.setdefault(meta_fixes.device_type(sess.device), {})
+    _plans_session[0] = sess
+    return _PLANS
 
 
 def _run_non_aten(func, args: tuple, kwargs: dict) -> Any:
