@@ -108,6 +108,13 @@ def default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
+def _layout(meta: tuple) -> str:
+    """`float32 [4, 2] strides [1, 4] offset 0` (and conj/neg bits when set)."""
+    dtype, shape, stride, offset, conj, neg = meta
+    bits = (" conj" if conj else "") + (" neg" if neg else "")
+    return f"{dtype} {shape} strides {stride} offset {offset}{bits}"
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -154,7 +161,7 @@ class Session:
         self.first_error: tuple[str, str] | None = None
         self.last_seq = 0
         self.ops_run = 0
-        self.conformed = 0
+        self.meta_mismatches = 0  # ops failed because an output differed from `expect`
         self.started = time.time()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(DEFAULT_SEED)
@@ -622,44 +629,35 @@ class Session:
             self._charge(resolved.label, outs)
 
     def _check_expected(self, label: str, flat: list, expect, outs) -> list | None:
-        """Make outputs match the client's predicted layout (a copy when only strides differ)."""
+        """Check outputs against the client's predicted metadata; fail the op on any difference.
+
+        The client makes views of an output from its prediction alone, so an output laid out
+        otherwise would be read wrongly later: it is reported, never re-laid-out or replaced.
+        Strides are compared where they address memory (dims of size > 1 of a non-empty
+        tensor), as torch._prims_common.check_significant_strides does."""
         if type(expect) is not list or len(expect) != len(flat):
             raise ProtocolError("expected-metadata list does not match the outputs")
-        fixed = list(flat)
         for k, (v, e) in enumerate(zip(flat, expect)):
             if e is None or not isinstance(v, torch.Tensor):
                 continue
             if type(e) is not TensorMeta:
                 raise ProtocolError("expected metadata must be tensor metadata")
-            if v.dtype == e.dtype and v.numel() == 0 and tuple(v.shape) != tuple(e.shape):
-                # e.g. batch norm's save_mean in eval mode: the real kernel returns an empty
-                # tensor where the meta kernel (and CUDA) return one of size C; nothing reads it
-                fixed[k] = torch.zeros(e.shape, dtype=e.dtype, device=v.device).as_strided(
-                    e.shape, e.stride
-                )
-                self.conformed += 1
-                continue
-            if v.dtype != e.dtype or tuple(v.shape) != tuple(e.shape):
+            shape, stride = list(v.shape), list(v.stride())
+            got = (v.dtype, shape, stride, v.storage_offset(), v.is_conj(), v.is_neg())
+            want = (e.dtype, list(e.shape), list(e.stride), e.offset, bool(e.conj), bool(e.neg))
+            same = got[:2] == want[:2] and got[3:] == want[3:] and len(want[2]) == len(stride)
+            if same and v.numel() > 0:
+                same = all(n == 1 or a == b for n, a, b in zip(shape, stride, want[2]))
+            if not same:
+                self.meta_mismatches += 1
                 self._fail(
                     label,
-                    f"rgpu predicted output {k} as {e.dtype} {list(e.shape)} but the server produced "
-                    f"{v.dtype} {list(v.shape)}; please report this as an rgpu bug",
+                    f"rgpu predicted output {k} as {_layout(want)} but the server produced "
+                    f"{_layout(got)}; please report this as an rgpu bug",
                     outs,
                 )
                 return None
-            if v.stride() != tuple(e.stride) or v.storage_offset() != e.offset:
-                base = torch.empty(
-                    max(e.offset + sum((s - 1) * st for s, st in zip(e.shape, e.stride)) + 1, 0)
-                    if all(s > 0 for s in e.shape)
-                    else e.offset,
-                    dtype=v.dtype,
-                    device=v.device,
-                )
-                out = base.as_strided(e.shape, e.stride, e.offset)
-                out.copy_(v)
-                fixed[k] = out
-                self.conformed += 1
-        return fixed
+        return flat
 
     def _run_dyn(self, seq: int, msg: list) -> None:
         """An op whose output shapes only the data can tell: run now, answer with metadata."""
@@ -1178,7 +1176,7 @@ class Session:
             "bytes": nbytes,
             "last_seq": self.last_seq,
             "ops_run": self.ops_run,
-            "conformed": self.conformed,
+            "meta_mismatches": self.meta_mismatches,
             "quota": self.quota,
             "graphs": len(self.graphs),
             "lane_transfers": self.lane_transfers,
