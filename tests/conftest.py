@@ -6,7 +6,6 @@ whole test session; tests that need their own server (CLI, shutdown, embedded) s
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,6 @@ from rgpu_test_servers import ServerProcess
 import rgpu
 
 ROOT = Path(__file__).resolve().parent.parent
-# predicted output metadata is checked against what the server produced for every op in tests
-os.environ.setdefault("RGPU_CHECK_META", "1")
 
 
 @pytest.fixture(scope="session")
