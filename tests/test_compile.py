@@ -15,7 +15,6 @@ import textwrap
 
 import pytest
 import torch
-from rgpu_test_servers import ServerProcess
 
 import rgpu
 import rgpu.compile as rc
@@ -194,7 +193,7 @@ def test_a_graph_the_server_cannot_compile_is_a_remote_error_and_the_session_goe
     assert (x + 1).sum().item() == 6.0
 
 
-def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path):
+def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path, start_server):
     code = """
         import sys, torch, rgpu
         from rgpu.models import seed_mlp
@@ -219,30 +218,25 @@ def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path
         value, counters = out.stdout.strip().splitlines()[-2:]
         return float(value), eval(counters)
 
-    srv = ServerProcess("--compile-cache-dir", str(cache))
-    try:
-        v1, c1 = run_client(srv.url)
-        v2, c2 = run_client(srv.url)  # a second notebook, same server: no new compile
-        assert v1 == v2
-        assert (
-            c2["graphs_built"] == c1["graphs_built"]
-            and c2["graphs_reused"] == c1["graphs_reused"] + 1
-        )
-    finally:
-        srv.stop()
+    srv = start_server("--compile-cache-dir", str(cache))
+    v1, c1 = run_client(srv.url)
+    v2, c2 = run_client(srv.url)  # a second notebook, same server: no new compile
+    assert v1 == v2
+    assert (
+        c2["graphs_built"] == c1["graphs_built"] and c2["graphs_reused"] == c1["graphs_reused"] + 1
+    )
     # a restarted server (preloading Inductor, as a standalone rgpu-server does): Inductor's
     # disk cache serves the graph
-    srv = ServerProcess("--compile-cache-dir", str(cache), "--preload-inductor")
-    try:
-        v3, c3 = run_client(srv.url)
-        assert v3 == v1
-        assert c3["graphs_built"] == 1 and c3["inductor_cache_hits"] >= 1
-        assert c3["dynamo_graphs"] == 2  # the preload's and this graph: really compiled
-    finally:
-        srv.stop()
+    srv = start_server("--compile-cache-dir", str(cache), "--preload-inductor")
+    v3, c3 = run_client(srv.url)
+    assert v3 == v1
+    assert c3["graphs_built"] == 1 and c3["inductor_cache_hits"] >= 1
+    assert c3["dynamo_graphs"] == 2  # the preload's and this graph: really compiled
 
 
-def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled_graphs(tmp_path):
+def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled_graphs(
+    tmp_path, start_server
+):
     # Dynamo's compile state is process-wide: two sessions' first calls at once used to fail
     # ("found no compiled frames", from fullgraph=True's process-wide count). Here two clients'
     # graphs compile at the same time, on a server that preloaded Inductor.
@@ -259,26 +253,23 @@ def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled
         assert abs(got - expected) < 1e-4, (got, expected)
         print(rgpu.session_info()["compile"])
     """
-    srv = ServerProcess("--compile-cache-dir", str(tmp_path / "cache"), "--preload-inductor")
-    try:
-        clients = [
-            subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(code), srv.url, str(rows)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for rows in (8, 12)  # one graph, two shapes: a compile each
-        ]
-        outs = [c.communicate(timeout=600) for c in clients]
-        for c, (_, err) in zip(clients, outs):
-            assert c.returncode == 0, err[-3000:]
-        last = max((eval(out.strip().splitlines()[-1]) for out, _ in outs),
-                   key=lambda c: c["dynamo_graphs"])  # fmt: skip
-        # one forward graph (shapes are not in the node list), built once and shared...
-        assert (last["graphs_built"], last["graphs_reused"]) == (1, 1), outs
-        # ...and really compiled by Dynamo for each shape, besides the preload's graph
-        assert last["dynamo_graphs"] == 3, outs
-        assert "Inductor preloaded" in "\n".join(srv.log_lines)
-    finally:
-        srv.stop()
+    srv = start_server("--compile-cache-dir", str(tmp_path / "cache"), "--preload-inductor")
+    clients = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), srv.url, str(rows)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rows in (8, 12)  # one graph, two shapes: a compile each
+    ]
+    outs = [c.communicate(timeout=600) for c in clients]
+    for c, (_, err) in zip(clients, outs):
+        assert c.returncode == 0, err[-3000:]
+    last = max((eval(out.strip().splitlines()[-1]) for out, _ in outs),
+               key=lambda c: c["dynamo_graphs"])  # fmt: skip
+    # one forward graph (shapes are not in the node list), built once and shared...
+    assert (last["graphs_built"], last["graphs_reused"]) == (1, 1), outs
+    # ...and really compiled by Dynamo for each shape, besides the preload's graph
+    assert last["dynamo_graphs"] == 3, outs
+    assert "Inductor preloaded" in "\n".join(srv.log_lines)
