@@ -61,6 +61,12 @@ def test_compiled_mlp_training_equals_eager_with_one_graph_per_direction(session
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=tol, atol=tol)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=tol * 10, atol=tol * 10)
+    # and both are the CPU's training run
+    cpu_model = copy.deepcopy(base)
+    cpu = train(cpu_model, mse, x.cpu(), y.cpu(), 8)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(cpu), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_compiled_step_is_four_messages_and_one_wait_per_item(session):
@@ -106,26 +112,28 @@ def test_compiled_transformer_lm_training_equals_eager(session):
     assert len(rc.SHIPPED) - before == 2
     assert compiled == eager  # the eager server compiler runs the same kernels: bit-identical
     assert compiled[-1] < compiled[0]
+    cpu = train(copy.deepcopy(base), lm_loss, x.cpu(), y.cpu(), 5, torch.optim.AdamW, lr=3e-3)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(cpu), rtol=1e-5, atol=1e-5)
 
 
 def test_backend_string_rgpu_works(session):
     torch.manual_seed(0)
-    model = seed_mlp().to("rgpu")
-    x = torch.randn(8, 16).to("rgpu")
+    reference = seed_mlp()
+    model = copy.deepcopy(reference).to("rgpu")
+    x = torch.randn(8, 16)
     cm = torch.compile(model, backend="rgpu", dynamic=False)
-    torch.testing.assert_close(cm(x).cpu(), model(x).cpu())
+    torch.testing.assert_close(cm(x.to("rgpu")).cpu(), reference(x))
 
 
 def test_a_shape_change_recompiles_and_stays_correct(session):
     torch.manual_seed(0)
-    model = seed_mlp().to("rgpu")
+    reference = seed_mlp()
+    model = copy.deepcopy(reference).to("rgpu")
     cm = torch.compile(model, backend=rgpu.compile_backend(compiler="eager"), dynamic=False)
     before = len(rc.SHIPPED)
     for batch in (8, 8, 24, 8):
         x = torch.randn(batch, 16)
-        torch.testing.assert_close(
-            cm(x.to("rgpu")).cpu(), model.cpu()(x) if False else model(x.to("rgpu")).cpu()
-        )
+        torch.testing.assert_close(cm(x.to("rgpu")).cpu(), reference(x))
     assert len(rc.SHIPPED) - before == 2  # batch 8, batch 24 (inference: forward graphs only)
 
 
