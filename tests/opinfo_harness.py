@@ -55,6 +55,7 @@ TOLERANCES: dict[str, tuple[str, dict]] = {
     "linalg.cond": (_SUBCLASS_VECTORS, {}),
     "linalg.matrix_norm": (_SUBCLASS_VECTORS + " (nuc and 2-norms)", {}),
     "norm.nuc": (_SUBCLASS_VECTORS, {}),
+    "linalg.norm": (_SUBCLASS_VECTORS + " (matrix nuc and 2-norms)", {}),
     "prod": (
         "gradient: PyTorch's prod backward takes its out-of-place formula for tensor subclasses",
         {},
