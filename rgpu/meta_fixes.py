@@ -357,11 +357,13 @@ def tensor_iterator_strides(inputs: list[tuple[tuple, tuple]], shape: tuple) -> 
 #   inputs' dtype for them (the meta kernels follow CUDA: size C, float32);
 # - embedding_bag: the CPU leaves offset2bag / bag_size empty on its fast path;
 # - FFTs, SVD, eig: strides depend on the library the device calls (cuFFT / MKL / pocketfft);
-# - max_unpool2d: the CPU keeps a channels-last input's layout, CUDA does not.
+# - max_unpool2d: the CPU keeps a channels-last input's layout, CUDA does not;
+# - ldexp, mvlgamma: compositions of several pointwise ops (CompositeExplicitAutograd), laid out
+#   by neither TensorIterator's rule for one op nor their Python meta kernels.
 _ASK_SERVER = re.compile(
     r"^(_linalg_svd|linalg_eig|_linalg_eig|_fft_r2c|_fft_c2r|_fft_c2c|native_batch_norm"
     r"|_native_batch_norm_legit\w*|_batch_norm_with_update\w*|_embedding_bag_forward_only"
-    r"|_embedding_bag|max_unpool2d)$"
+    r"|_embedding_bag|max_unpool2d|ldexp|mvlgamma)$"
 )
 _REDUCED = (torch.float16, torch.bfloat16)
 
@@ -373,7 +375,8 @@ def may_ask_server(name: str) -> bool:
 
 def must_ask_server(func, args: tuple) -> bool:
     """True when meta inference cannot know this op's output layout on the server."""
-    if func.__name__.split(".")[0] != "native_layer_norm":
-        return True
-    # layer norm's mean and rstd: float32 on CUDA, the input's dtype on the CPU
-    return isinstance(args[0], torch.Tensor) and args[0].dtype in _REDUCED
+    name = func.__name__.split(".")[0]
+    if name == "native_layer_norm":
+        # layer norm's mean and rstd: float32 on CUDA, the input's dtype on the CPU
+        return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in _REDUCED
+    return bool(_ASK_SERVER.match(name))
