@@ -368,9 +368,12 @@ _ASK_SERVER = re.compile(
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
+_CONVOLUTIONS = {"convolution", "_convolution", "convolution_backward"}
+
+
 def may_ask_server(name: str) -> bool:
     """Whether `must_ask_server` can be true for this op (checked once per op)."""
-    return bool(_ASK_SERVER.match(name)) or name == "native_layer_norm"
+    return bool(_ASK_SERVER.match(name)) or name == "native_layer_norm" or name in _CONVOLUTIONS
 
 
 def must_ask_server(func, args: tuple) -> bool:
@@ -379,4 +382,10 @@ def must_ask_server(func, args: tuple) -> bool:
     if name == "native_layer_norm":
         # layer norm's mean and rstd: float32 on CUDA, the input's dtype on the CPU
         return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in _REDUCED
+    if name in _CONVOLUTIONS:
+        # the meta kernels always answer contiguous; the backend the device picks (mkldnn,
+        # cuDNN, ...) lays a channels-last input or weight out channels-last
+        return not all(
+            isinstance(t, torch.Tensor) and t.is_contiguous() for t in args[:3] if t is not None
+        )
     return bool(_ASK_SERVER.match(name))
