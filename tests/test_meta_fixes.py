@@ -12,13 +12,18 @@ numbers through views.
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+import rgpu
 from rgpu import meta_fixes
 
 torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invocations")
@@ -267,3 +272,67 @@ def test_a_pointwise_op_of_an_expanded_and_a_transposed_input_reads_right(dev, d
     assert got.stride() == expected.stride()
     assert torch.equal(got[:, 1].cpu(), expected[:, 1])
     assert torch.equal(got.t().cpu(), expected.t())
+
+
+# -- the checking mode ----------------------------------------------------------------------
+
+
+def test_the_checking_mode_fails_an_op_whose_output_differs_from_its_prediction(dev, session):
+    from rgpu.protocol import Kind, TensorMeta
+    from rgpu.tensor import next_id
+
+    x = torch.ones(2, 3, device=dev)
+    wrong = TensorMeta(torch.float32, (2, 3), (1, 2), 0)  # column-major: the server makes (3, 1)
+    session.post((Kind.RUN, "clone.default", [x], None, [next_id()], [wrong]))
+    with pytest.raises(
+        rgpu.RemoteError,
+        match=r"predicted output 0 as torch.float32 \[2, 3\] strides \[1, 2\] offset 0 but the "
+        r"server produced torch.float32 \[2, 3\] strides \[3, 1\] offset 0",
+    ):
+        torch.rgpu.synchronize()
+    assert session.info()["meta_mismatches"] == 1
+    # the stride of a size-1 dim addresses no element: no difference
+    y = torch.ones(1, 3, device=dev)
+    size_one = TensorMeta(torch.float32, (1, 3), (7, 1), 0)
+    session.post((Kind.RUN, "clone.default", [y], None, [next_id()], [size_one]))
+    torch.rgpu.synchronize()
+    assert session.info()["meta_mismatches"] == 1
+
+
+def test_models_train_in_the_checking_mode_with_every_prediction_right(server):
+    """A fresh process with RGPU_CHECK_META=1: every op of an MLP, a CNN (batch norm, pooling,
+    channels-last too), a transformer (attention, layer norm) and LSTM/GRU layers, forward and
+    backward in float32 and bfloat16, is checked by the server against its prediction."""
+    code = """
+        import torch, rgpu
+        from rgpu.models import SmallCNN, TinyLM, LSTMRegressor, lm_batch, seed_mlp
+        rgpu.connect(RGPU_URL)
+        torch.manual_seed(0)
+        runs = [
+            (seed_mlp(), lambda: (torch.randn(16, 16),)),
+            (SmallCNN(), lambda: (torch.randn(4, 3, 16, 16),)),
+            (SmallCNN(channels_last=True), lambda: (torch.randn(4, 3, 16, 16),)),
+            (TinyLM(vocab=65, width=32, heads=4, layers=1, context=16),
+             lambda: lm_batch(65, 2, 16, torch.Generator().manual_seed(1))),
+            (LSTMRegressor(), lambda: (torch.randn(4, 5, 8),)),
+        ]
+        for dtype in (torch.float32, torch.bfloat16):
+            for model, batch in runs:
+                model = model.to("rgpu", dtype)
+                args = [a.to("rgpu", dtype) if a.is_floating_point() else a.to("rgpu") for a in batch()]
+                out = model(*args)
+                loss = out[1] if isinstance(out, tuple) else out.float().square().mean()
+                loss.backward()
+                torch.rgpu.synchronize()
+        print(rgpu.session_info()["meta_mismatches"])
+    """.replace("RGPU_URL", repr(server.url))
+    env = {**os.environ, "RGPU_CHECK_META": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["0"]
