@@ -67,22 +67,45 @@ def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
         _FOLLOWS_TENSOR_ITERATOR[func] = _follows_tensor_iterator(func)
     if _FOLLOWS_TENSOR_ITERATOR[func]:
         out = _relayout_pointwise(func, out, args, kwargs, device)
-    elif func.__name__.split(".")[0] in _EMPTY_LIKE:
-        out = _relayout_like(out, args, kwargs)
+    else:
+        name = func.__name__.split(".")[0]
+        like = _EMPTY_LIKE.get(name)
+        if like is not None and len(args) > like:
+            out = _relayout_like(out, args[like], kwargs)
+        suggested = _SUGGESTED_FORMAT.get(name)
+        if suggested is not None and len(args) > suggested:
+            out = _relayout_suggested(out, args[suggested])
     return out
 
 
-# Ops whose output is `empty_like(input)` in its memory format: c10 keeps the input's strides when
-# the input is dense by its own definition, which counts every empty tensor and ignores size-1
-# dims; the Python meta kernels recompute them (a permutation), which differs there.
+# Ops whose output is `empty_like(argument n)` in its memory format, by n: c10 keeps that
+# argument's strides when it is dense by its own definition (every empty tensor, any strides on
+# size-1 dims); the Python meta kernels recompute them from a permutation, which differs there.
 _EMPTY_LIKE = {
-    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-    "randint_like", "flip",
+    "empty_like": 0, "zeros_like": 0, "ones_like": 0, "full_like": 0, "rand_like": 0,
+    "randn_like": 0, "randint_like": 0, "flip": 0,
+}  # fmt: skip
+# Ops that lay their output out in `argument n`'s suggested memory format (channels-last when its
+# strides are, else row-major), by n; their meta kernels answer row-major.
+_SUGGESTED_FORMAT = {
+    "reflection_pad1d_backward": 1, "reflection_pad2d_backward": 1,
+    "reflection_pad3d_backward": 1, "replication_pad1d_backward": 1,
+    "replication_pad2d_backward": 1, "replication_pad3d_backward": 1,
+    "replication_pad3d": 0, "reflection_pad3d": 0,
 }  # fmt: skip
 
 
-def _relayout_like(out: Any, args: tuple, kwargs: dict) -> Any:
-    x = args[0] if args else None
+def _relayout_suggested(out: Any, x: Any) -> Any:
+    if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) or out.dim() != x.dim():
+        return out
+    from torch._prims_common import suggest_memory_format
+
+    fmt = suggest_memory_format(x)
+    fixed = torch.empty(out.shape, dtype=out.dtype, device="meta", memory_format=fmt)
+    return out if fixed.stride() == out.stride() else fixed
+
+
+def _relayout_like(out: Any, x: Any, kwargs: dict) -> Any:
     if (
         not isinstance(out, torch.Tensor)
         or not isinstance(x, torch.Tensor)
@@ -109,12 +132,21 @@ _OPERANDS_REVERSED = {aten.threshold_backward.default}  # TensorIterator gets (s
 _ROW_MAJOR = {aten.pow.Scalar}
 
 
+# activation backwards that are TensorIterator binary ops of (grad_output, self) on every device
+# but carry no pointwise tag
+_TENSOR_ITERATOR_BACKWARDS = {
+    "hardswish_backward", "hardsigmoid_backward", "elu_backward", "leaky_relu_backward",
+    "softplus_backward", "hardtanh_backward", "softshrink_backward", "hardshrink_backward",
+}  # fmt: skip
+
+
 def _follows_tensor_iterator(func) -> bool:
     schema = func._schema
+    name = func.__name__.split(".")[0]
     return (
-        torch.Tag.pointwise in func.tags
+        (torch.Tag.pointwise in func.tags or name in _TENSOR_ITERATOR_BACKWARDS)
         and not schema.is_mutable
-        and func.__name__.split(".")[0] not in _NOT_TENSOR_ITERATOR
+        and name not in _NOT_TENSOR_ITERATOR
         and len(schema.returns) >= 1
         and all(str(r.type) == "Tensor" and r.alias_info is None for r in schema.returns)
     )
@@ -369,11 +401,12 @@ _REDUCED = (torch.float16, torch.bfloat16)
 
 
 _CONVOLUTIONS = {"convolution", "_convolution", "convolution_backward"}
+_ASK_SOMETIMES = {"native_layer_norm", "native_batch_norm_backward", *_CONVOLUTIONS}
 
 
 def may_ask_server(name: str) -> bool:
     """Whether `must_ask_server` can be true for this op (checked once per op)."""
-    return bool(_ASK_SERVER.match(name)) or name == "native_layer_norm" or name in _CONVOLUTIONS
+    return bool(_ASK_SERVER.match(name)) or name in _ASK_SOMETIMES
 
 
 def must_ask_server(func, args: tuple) -> bool:
@@ -382,6 +415,9 @@ def must_ask_server(func, args: tuple) -> bool:
     if name == "native_layer_norm":
         # layer norm's mean and rstd: float32 on CUDA, the input's dtype on the CPU
         return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in _REDUCED
+    if name == "native_batch_norm_backward":
+        # the gradient of a channels-last input: channels-last on the CPU in reduced precision
+        return bool(args) and isinstance(args[1], torch.Tensor) and not args[1].is_contiguous()
     if name in _CONVOLUTIONS:
         # the meta kernels always answer contiguous; the backend the device picks (mkldnn,
         # cuDNN, ...) lays a channels-last input or weight out channels-last

@@ -154,8 +154,7 @@ POINTWISE = sorted(
         for name in dir(torch.ops.aten)
         if hasattr(packet := getattr(torch.ops.aten, name), "overloads")
         for op in (getattr(packet, o) for o in packet.overloads())
-        if torch.Tag.pointwise in op.tags
-        and not op._schema.is_mutable
+        if meta_fixes._follows_tensor_iterator(op)
         and not torch._C._dispatch_has_kernel_for_dispatch_key(
             op.name(), "CompositeImplicitAutograd"
         )
