@@ -76,12 +76,12 @@ TOLERANCES: dict[str, tuple[str, dict]] = {
     ),
     "nn.functional.linear_cross_entropy.chunked": (
         "a torch_nn custom op: rgpu runs its aten decomposition, the CPU its own kernel, which "
-        "accumulates reduced precision in another order",
-        {"rtol": 0.01, "atol": 0.01},
+        "accumulates reduced precision in another order (a few ulps)",
+        {"rtol": 0.02, "atol": 0.01},
     ),
     "nn.functional.linear_cross_entropy.chunked_none": (
         "as linear_cross_entropy.chunked",
-        {"rtol": 0.01, "atol": 0.01},
+        {"rtol": 0.02, "atol": 0.01},
     ),
 }
 

@@ -90,8 +90,8 @@ def test_gradient_pass_rate_per_dtype(dev):
     if len(RESULTS) < len(CASES) // 2:
         pytest.skip("run the whole module to get the pass rates")
     rates = report("OpInfo gradient conformance", RESULTS)
-    assert rates["float32"] >= 0.995
-    assert rates["float64"] >= 0.995
+    assert rates.get("float32", 1.0) >= 0.995  # -k may have left float32 out
+    assert rates.get("float64", 1.0) >= 0.995
     unexpected = sorted(
         f"{n}@{d}"
         for (n, d), ok in RESULTS.items()
