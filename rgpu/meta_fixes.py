@@ -3,22 +3,25 @@
 `dispatch` predicts every op's outputs (shape, dtype, strides) by running it on meta tensors, and
 the client then builds views of those outputs by itself (`x.t()`, `x[:, 1]` cost no message). A
 prediction whose strides differ from the real kernel's is therefore not a cosmetic difference: a
-view made from it reads the wrong elements, and the user gets a wrong number with no error. Three
-causes, found by comparing meta and CPU outputs of every aten op the OpInfo samples reach
-(tests/test_meta_fixes.py keeps that comparison):
+view made from it reads the wrong elements, and the user gets a wrong number with no error. The
+causes, found by comparing meta and CPU outputs of every aten op the OpInfo samples reach and of
+modules on channels-last and transposed inputs (tests/test_meta_fixes.py keeps the comparison):
 
 1. **Per-device meta kernels.** Meta kernels in `torch/_meta_registrations.py` pick the layout of
    the device `device_hint()` names, and it names CUDA for a plain meta tensor (`nonzero_static`,
    `_linalg_svd`, `linalg_eig`, the FFTs, ...). `run_meta` tells them the server's device.
 2. **Pointwise ops.** The Python meta kernels of pointwise ops (which shadow the C++ ones) compute
    reduced-precision and promoted inputs in another dtype, and the conversion drops the layout of
-   an expanded or broadcast input, so `a.expand(2, 3) + b.t()` in float16 was predicted row-major
+   an expanded or broadcast input, so `a.expand(2, 3) * b.t()` in float16 was predicted row-major
    while every real kernel (TensorIterator, on any device) follows `b.t()`. `run_meta` lays such
    outputs out with TensorIterator's own rule (`tensor_iterator_strides`).
-3. **Outputs that differ by device in ways meta cannot know** (batch norm's saved statistics and
-   layer norm's mean in reduced precision on the CPU, `max_unpool2d` in channels-last, the
-   FFTs, ...). `must_ask_server` names them; dispatch then learns the layout from the server once
-   per input metadata (the `_LEARN` plan), or asks every time when the op writes an argument.
+3. **Layout conventions the Python meta kernels do not follow**: `empty_like` and its family keep
+   a c10-dense input's strides (`_EMPTY_LIKE`); padding lays out in the input's suggested memory
+   format (`_SUGGESTED_FORMAT`). `run_meta` applies them.
+4. **Outputs that differ by device in ways meta cannot know** (batch norm's saved statistics and
+   layer norm's mean in reduced precision on the CPU, channels-last convolutions, `max_unpool2d`,
+   the FFTs, ...). `must_ask_server` names them; dispatch then learns the layout from the server
+   once per input metadata (the `_LEARN` plan), or asks every time when the op writes an argument.
 
 With `RGPU_CHECK_META=1` the server compares every prediction with what it produced and fails the
 op on any difference (protocol.md, "Execution"), so a cause not covered here is a loud error.
