@@ -120,8 +120,9 @@ FIELDS: dict[str, Setting] = {
                             "resume before the client waits for the server (flow control)"),
     "reconnect_seconds": Setting("RGPU_RECONNECT_SECONDS", _seconds, "how long a dropped "
                                  "connection is retried before the session is lost"),
-    "check_meta": Setting("RGPU_CHECK_META", _flag, "1: send the predicted layout of every "
-                          "op's outputs and have the server check it (a mismatch is an error)"),
+    "check_meta": Setting("RGPU_CHECK_META", _flag, "1 (debugging): send the predicted layout "
+                          "of every op's outputs and have the server check it; a mismatch fails "
+                          "the op and is never repaired"),
     "compress": Setting("RGPU_COMPRESS", _compress, "op-stream compression: auto (on slow "
                         "links), 1 or 0"),
     "lane": Setting("RGPU_LANE", _flag, "0: never open the bulk lane for large transfers"),

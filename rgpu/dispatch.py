@@ -16,19 +16,20 @@ from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, TensorMeta, ref_ext
 from . import current as _cur
 from . import tensor as _tensor
 from .plans import (
+    CURRENT_PLANS,
     DYN,
     INFO,
     KEEP,
     LEARN,
     NEW,
     NONE,
-    PLANS,
     SAME,
     SEQ,
     OpInfo,
     infer,
     plan_from_outputs,
     plan_key,
+    plans_for,
 )
 from .tensor import (
     TRACED,
@@ -98,15 +99,16 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         key = plan_key(func, info, args, kwargs, sess)
     except Traced:
         return run_traced(func, args, kwargs)
-    plan = PLANS.get(key)
+    plans = CURRENT_PLANS[1] if sess is CURRENT_PLANS[0] else plans_for(sess)
+    plan = plans.get(key)
     if plan is None:
         plan = infer(func, info, args, kwargs, sess)
-        PLANS[key] = plan
+        plans[key] = plan
     if plan is DYN:
         return run_dynamic(func, info, args, kwargs, sess)
     if plan is LEARN:
         out = run_dynamic(func, info, args, kwargs, sess)
-        PLANS[key] = plan_from_outputs(out)
+        plans[key] = plan_from_outputs(out)
         return out
     single = plan.single_key
     if single is not None:

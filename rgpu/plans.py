@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from rgpu_protocol import TensorMeta, written_returns
 
+from . import meta_fixes
 from . import tensor as _tensor
 from .errors import shown_briefly
 from .tensor import (
@@ -37,11 +38,6 @@ LEARN = object()  # plan marker: meta shapes differ by device for this op; ask t
 # Ops whose output *shape* depends on float argument values: key those by value, not by type.
 _FLOAT_SHAPE_OPS = re.compile(
     r"^(arange|range|linspace|logspace|_?upsample_\w+|histc|_histogramdd\w*)$"
-)
-# Ops whose meta strides (or shapes) are known to differ from real kernels: tell the server what
-# we predicted, so it makes its outputs match.
-_CONFORM_OPS = re.compile(
-    r"^(_linalg_svd|linalg_eig|_linalg_eig|_fft_r2c|_fft_c2r|_fft_c2c|native_batch_norm|_native_batch_norm_legit\w*|_embedding_bag_forward_only|_embedding_bag)$"
 )
 
 
@@ -71,7 +67,7 @@ class OpInfo:
         rets = schema.returns
         self.nret = len(rets)
         self.nontensor = bool(rets) and not any(_is_tensorish(r.type) for r in rets)
-        self.conform = bool(_CONFORM_OPS.match(name))
+        self.conform = meta_fixes.may_ask_server(name)  # outputs only the server can lay out
         self.special = SPECIAL.get(func)
         # returns that alias a written argument: (return index, argument position, argument name)
         self.write_rets = written_returns(schema)
@@ -84,7 +80,8 @@ def _is_tensorish(t: Any) -> bool:
 
 INFO: dict[int, OpInfo] = {}
 KEEP: list = []
-PLANS: dict[tuple, Any] = {}
+PLANS_BY_DEVICE: dict[str, dict] = {}  # plan key -> plan, per kind of server device
+CURRENT_PLANS: list = [None, {}]  # [session, its device type's plans]: the hot path's cache
 SPECIAL: dict[Any, Any] = {}  # op -> handler, filled by rgpu._registration
 
 
@@ -229,7 +226,7 @@ def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     margs = tuple(_to_meta(a, ("a", i), paths, memo) for i, a in enumerate(args))
     mkwargs = {k: _to_meta(v, ("k", k), paths, memo) for k, v in kwargs.items()}
     try:
-        out = func(*margs, **mkwargs)
+        out = meta_fixes.run_meta(func, margs, mkwargs, meta_fixes.device_type(sess.device))
     except (NotImplementedError, DynamicOutputShapeException, DataDependentOutputException):
         return DYN
     except Exception as e:
@@ -239,8 +236,8 @@ def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     if info.nontensor or (info.dynamic and not isinstance(out, (torch.Tensor, list, tuple))):
         return DYN
     _require_strided(out, func)
-    if info.conform and not info.write_rets:
-        return LEARN
+    if info.conform and meta_fixes.must_ask_server(func, margs):
+        return DYN if info.write_rets else LEARN
     spec = _spec_of(out, paths)
     patches = tuple(
         (path, key_of_meta(m)) for path, m, key in paths.values() if key_of_meta(m) != key
@@ -312,3 +309,10 @@ def plan_from_outputs(out: Any) -> Plan:
         for k in _flat_new_keys(s)
     ]
     return Plan(s, (), expect, None)
+
+
+def plans_for(sess) -> dict:
+    """Plans predict one kind of device's layouts: a session on another kind gets its own."""
+    plans = PLANS_BY_DEVICE.setdefault(meta_fixes.device_type(sess.device), {})
+    CURRENT_PLANS[:] = [sess, plans]
+    return plans

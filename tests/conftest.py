@@ -1,12 +1,13 @@
 """Test fixtures: a real `rgpu-server --device cpu` subprocess on a free loopback port.
 
 Every end-to-end test talks to it over a real websocket; nothing is mocked. The server runs for the
-whole test session; tests that need their own server (CLI, shutdown, embedded) start one.
+whole test session; tests that need a server of their own (flags, restarts, shutdown) get one from
+`start_server`. Tests run as users run: the client predicts and the server runs, with no checking
+mode (RGPU_CHECK_META) and nothing repaired.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,6 @@ from rgpu_test_servers import ServerProcess
 import rgpu
 
 ROOT = Path(__file__).resolve().parent.parent
-# predicted output metadata is checked against what the server produced for every op in tests
-os.environ.setdefault("RGPU_CHECK_META", "1")
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +25,26 @@ def server():
     yield srv
     rgpu.disconnect()
     srv.stop()
+
+
+@pytest.fixture
+def start_server():
+    """`start_server(*flags, env=..., port=...)`: a server of the test's own (a ServerProcess).
+
+    At teardown the client disconnects (its session may be on one of them, directly or through
+    a proxy) and every one is stopped."""
+    started: list[ServerProcess] = []
+
+    def start(*flags: str, **kwargs) -> ServerProcess:
+        srv = ServerProcess(*flags, **kwargs)
+        started.append(srv)
+        return srv
+
+    yield start
+    if started:
+        rgpu.disconnect()
+    for srv in started:
+        srv.stop()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import textwrap
 
 import pytest
 import torch
-from rgpu_test_servers import ServerProcess
 
 import rgpu
 import rgpu.compile as rc
@@ -62,6 +61,12 @@ def test_compiled_mlp_training_equals_eager_with_one_graph_per_direction(session
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=tol, atol=tol)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=tol * 10, atol=tol * 10)
+    # and both are the CPU's training run
+    cpu_model = copy.deepcopy(base)
+    cpu = train(cpu_model, mse, x.cpu(), y.cpu(), 8)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(cpu), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_compiled_step_is_four_messages_and_one_wait_per_item(session):
@@ -107,26 +112,28 @@ def test_compiled_transformer_lm_training_equals_eager(session):
     assert len(rc.SHIPPED) - before == 2
     assert compiled == eager  # the eager server compiler runs the same kernels: bit-identical
     assert compiled[-1] < compiled[0]
+    cpu = train(copy.deepcopy(base), lm_loss, x.cpu(), y.cpu(), 5, torch.optim.AdamW, lr=3e-3)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(cpu), rtol=1e-5, atol=1e-5)
 
 
 def test_backend_string_rgpu_works(session):
     torch.manual_seed(0)
-    model = seed_mlp().to("rgpu")
-    x = torch.randn(8, 16).to("rgpu")
+    reference = seed_mlp()
+    model = copy.deepcopy(reference).to("rgpu")
+    x = torch.randn(8, 16)
     cm = torch.compile(model, backend="rgpu", dynamic=False)
-    torch.testing.assert_close(cm(x).cpu(), model(x).cpu())
+    torch.testing.assert_close(cm(x.to("rgpu")).cpu(), reference(x))
 
 
 def test_a_shape_change_recompiles_and_stays_correct(session):
     torch.manual_seed(0)
-    model = seed_mlp().to("rgpu")
+    reference = seed_mlp()
+    model = copy.deepcopy(reference).to("rgpu")
     cm = torch.compile(model, backend=rgpu.compile_backend(compiler="eager"), dynamic=False)
     before = len(rc.SHIPPED)
     for batch in (8, 8, 24, 8):
         x = torch.randn(batch, 16)
-        torch.testing.assert_close(
-            cm(x.to("rgpu")).cpu(), model.cpu()(x) if False else model(x.to("rgpu")).cpu()
-        )
+        torch.testing.assert_close(cm(x.to("rgpu")).cpu(), reference(x))
     assert len(rc.SHIPPED) - before == 2  # batch 8, batch 24 (inference: forward graphs only)
 
 
@@ -194,7 +201,7 @@ def test_a_graph_the_server_cannot_compile_is_a_remote_error_and_the_session_goe
     assert (x + 1).sum().item() == 6.0
 
 
-def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path):
+def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path, start_server):
     code = """
         import sys, torch, rgpu
         from rgpu.models import seed_mlp
@@ -219,30 +226,25 @@ def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path
         value, counters = out.stdout.strip().splitlines()[-2:]
         return float(value), eval(counters)
 
-    srv = ServerProcess("--compile-cache-dir", str(cache))
-    try:
-        v1, c1 = run_client(srv.url)
-        v2, c2 = run_client(srv.url)  # a second notebook, same server: no new compile
-        assert v1 == v2
-        assert (
-            c2["graphs_built"] == c1["graphs_built"]
-            and c2["graphs_reused"] == c1["graphs_reused"] + 1
-        )
-    finally:
-        srv.stop()
+    srv = start_server("--compile-cache-dir", str(cache))
+    v1, c1 = run_client(srv.url)
+    v2, c2 = run_client(srv.url)  # a second notebook, same server: no new compile
+    assert v1 == v2
+    assert (
+        c2["graphs_built"] == c1["graphs_built"] and c2["graphs_reused"] == c1["graphs_reused"] + 1
+    )
     # a restarted server (preloading Inductor, as a standalone rgpu-server does): Inductor's
     # disk cache serves the graph
-    srv = ServerProcess("--compile-cache-dir", str(cache), "--preload-inductor")
-    try:
-        v3, c3 = run_client(srv.url)
-        assert v3 == v1
-        assert c3["graphs_built"] == 1 and c3["inductor_cache_hits"] >= 1
-        assert c3["dynamo_graphs"] == 2  # the preload's and this graph: really compiled
-    finally:
-        srv.stop()
+    srv = start_server("--compile-cache-dir", str(cache), "--preload-inductor")
+    v3, c3 = run_client(srv.url)
+    assert v3 == v1
+    assert c3["graphs_built"] == 1 and c3["inductor_cache_hits"] >= 1
+    assert c3["dynamo_graphs"] == 2  # the preload's and this graph: really compiled
 
 
-def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled_graphs(tmp_path):
+def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled_graphs(
+    tmp_path, start_server
+):
     # Dynamo's compile state is process-wide: two sessions' first calls at once used to fail
     # ("found no compiled frames", from fullgraph=True's process-wide count). Here two clients'
     # graphs compile at the same time, on a server that preloaded Inductor.
@@ -259,26 +261,23 @@ def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled
         assert abs(got - expected) < 1e-4, (got, expected)
         print(rgpu.session_info()["compile"])
     """
-    srv = ServerProcess("--compile-cache-dir", str(tmp_path / "cache"), "--preload-inductor")
-    try:
-        clients = [
-            subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(code), srv.url, str(rows)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for rows in (8, 12)  # one graph, two shapes: a compile each
-        ]
-        outs = [c.communicate(timeout=600) for c in clients]
-        for c, (_, err) in zip(clients, outs):
-            assert c.returncode == 0, err[-3000:]
-        last = max((eval(out.strip().splitlines()[-1]) for out, _ in outs),
-                   key=lambda c: c["dynamo_graphs"])  # fmt: skip
-        # one forward graph (shapes are not in the node list), built once and shared...
-        assert (last["graphs_built"], last["graphs_reused"]) == (1, 1), outs
-        # ...and really compiled by Dynamo for each shape, besides the preload's graph
-        assert last["dynamo_graphs"] == 3, outs
-        assert "Inductor preloaded" in "\n".join(srv.log_lines)
-    finally:
-        srv.stop()
+    srv = start_server("--compile-cache-dir", str(tmp_path / "cache"), "--preload-inductor")
+    clients = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), srv.url, str(rows)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rows in (8, 12)  # one graph, two shapes: a compile each
+    ]
+    outs = [c.communicate(timeout=600) for c in clients]
+    for c, (_, err) in zip(clients, outs):
+        assert c.returncode == 0, err[-3000:]
+    last = max((eval(out.strip().splitlines()[-1]) for out, _ in outs),
+               key=lambda c: c["dynamo_graphs"])  # fmt: skip
+    # one forward graph (shapes are not in the node list), built once and shared...
+    assert (last["graphs_built"], last["graphs_reused"]) == (1, 1), outs
+    # ...and really compiled by Dynamo for each shape, besides the preload's graph
+    assert last["dynamo_graphs"] == 3, outs
+    assert "Inductor preloaded" in "\n".join(srv.log_lines)

@@ -11,23 +11,33 @@ import time
 import pytest
 import torch
 from fault_proxy import FaultProxy
+from waits import DuringNextWait
 
 import rgpu
 
 
-def interrupt_after(seconds: float) -> None:
-    main = threading.main_thread().ident
-    threading.Timer(seconds, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+@pytest.fixture(autouse=True)
+def ctrl_c_raises_keyboard_interrupt():
+    """These tests need SIGINT to raise KeyboardInterrupt, Python's default; a test run started
+    from a background job or nohup inherits SIGINT ignored. The old handler comes back after."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def ctrl_c() -> None:
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def test_ctrl_c_during_a_wait_returns_promptly_and_cancels_the_queued_work(dev, session):
     a = torch.randn(2000, 2000, device=dev)
     for _ in range(40):  # several seconds of server work
         a = (a @ a).tanh()
-    interrupt_after(0.3)
+    interrupt = DuringNextWait(session, ctrl_c, after=0.3)
     t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         a.sum().item()
+    interrupt.join()
     assert time.perf_counter() - t0 < 1.3  # 0.3 s until the interrupt, then under a second
     # the work the server had not started is dropped: its result says so, and promptly
     t0 = time.perf_counter()
@@ -44,9 +54,10 @@ def test_ctrl_c_during_a_data_dependent_op_frees_its_outputs(dev, session):
     a = torch.randn(2000, 2000, device=dev)
     for _ in range(30):
         a = (a @ a).tanh()
-    interrupt_after(0.3)
+    interrupt = DuringNextWait(session, ctrl_c, after=0.3)
     with pytest.raises(KeyboardInterrupt):
         torch.nonzero(a > 0)  # waits for the server; its outputs arrive after we gave up
+    interrupt.join()
     del a
     gc.collect()
     deadline = time.time() + 60
@@ -61,10 +72,13 @@ def test_ctrl_c_during_a_long_upload_cancels_it_cleanly(server):
         rgpu.connect(proxy.url)
         big = torch.randn(50_000_000)  # 200 MB: five seconds at this speed
         dst = torch.empty(50_000_000, device="rgpu")
-        interrupt_after(1.0)
+        # 1 s into an upload of five: the link's bandwidth cap keeps it in flight
+        interrupt = threading.Timer(1.0, ctrl_c)
+        interrupt.start()
         t0 = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):
             dst.copy_(big)
+        interrupt.join()
         assert time.perf_counter() - t0 < 2.0
         # the destination holds no data: using it says so, instead of showing half an upload
         with pytest.raises(rgpu.RemoteError, match="upload was interrupted"):

@@ -8,7 +8,6 @@ import textwrap
 import time
 
 import torch
-from rgpu_test_servers import ServerProcess
 
 import rgpu
 
@@ -40,29 +39,25 @@ CLIENT = """
 """
 
 
-def test_eight_clients_training_at_once_all_match_their_cpu_reference():
-    srv = ServerProcess("--session-grace", "2")
-    try:
-        rgpu.connect(srv.url)
-        baseline = rgpu.session_info()["server"]
-        clients = [
-            subprocess.Popen([sys.executable, "-c", textwrap.dedent(CLIENT), srv.url, str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for seed in range(8)
-        ]  # fmt: skip
-        outputs = [c.communicate(timeout=600) for c in clients]
-        for (out, err), c in zip(outputs, clients):
-            assert c.returncode == 0, err
-            assert out.strip() == "OK", out + err
-        time.sleep(3)  # past the grace period: nothing of the eight may be left
-        after = rgpu.session_info()["server"]
-        assert (after["sessions"], after["tensors"], after["bytes"]) == (
-            baseline["sessions"],
-            baseline["tensors"],
-            baseline["bytes"],
-        )
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+def test_eight_clients_training_at_once_all_match_their_cpu_reference(start_server):
+    srv = start_server("--session-grace", "2")
+    rgpu.connect(srv.url)
+    baseline = rgpu.session_info()["server"]
+    clients = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(CLIENT), srv.url, str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for seed in range(8)
+    ]  # fmt: skip
+    outputs = [c.communicate(timeout=600) for c in clients]
+    for (out, err), c in zip(outputs, clients):
+        assert c.returncode == 0, err
+        assert out.strip() == "OK", out + err
+    time.sleep(3)  # past the grace period: nothing of the eight may be left
+    after = rgpu.session_info()["server"]
+    assert (after["sessions"], after["tensors"], after["bytes"]) == (
+        baseline["sessions"],
+        baseline["tensors"],
+        baseline["bytes"],
+    )
 
 
 def test_ten_thousand_training_steps_do_not_grow_the_server(server):

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from rgpu_test_servers import ServerProcess
 
 import rgpu
 
@@ -47,21 +46,17 @@ def test_the_token_can_come_from_the_argument_the_environment_or_the_url(
         assert torch.ones(2, device="rgpu").sum().item() == 2.0
 
 
-def test_a_server_without_a_token_makes_one_and_prints_a_connect_url(no_env_token):
-    srv = ServerProcess(env={"RGPU_TOKEN": ""})
-    try:
-        m = re.search(
-            r'clients connect with:  rgpu\.connect\("(ws://127\.0\.0\.1:\d+/\?token=([\w-]+))"\)',
-            srv.wait_log("clients connect"),
-        )
-        assert m, srv.log()
-        url, token = m.groups()
-        assert len(token) >= 32
-        rgpu.connect(url)
-        assert torch.ones(3, device="rgpu").sum().item() == 3.0
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+def test_a_server_without_a_token_makes_one_and_prints_a_connect_url(no_env_token, start_server):
+    srv = start_server(env={"RGPU_TOKEN": ""})
+    m = re.search(
+        r'clients connect with:  rgpu\.connect\("(ws://127\.0\.0\.1:\d+/\?token=([\w-]+))"\)',
+        srv.wait_log("clients connect"),
+    )
+    assert m, srv.log()
+    url, token = m.groups()
+    assert len(token) >= 32
+    rgpu.connect(url)
+    assert torch.ones(3, device="rgpu").sum().item() == 3.0
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.0.2.7"])
@@ -87,15 +82,11 @@ def test_no_token_is_refused_on_a_non_loopback_address(host):
     assert f"refusing to listen on {host} without a token" in out.stderr
 
 
-def test_no_token_on_loopback_works_and_warns(no_env_token):
-    srv = ServerProcess("--no-token")
-    try:
-        assert "no token: any process that can reach" in srv.wait_log("no token")
-        rgpu.connect(srv.url)
-        assert torch.ones(2, device="rgpu").sum().item() == 2.0
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+def test_no_token_on_loopback_works_and_warns(no_env_token, start_server):
+    srv = start_server("--no-token")
+    assert "no token: any process that can reach" in srv.wait_log("no token")
+    rgpu.connect(srv.url)
+    assert torch.ones(2, device="rgpu").sum().item() == 2.0
 
 
 def _openssl(*args: str, cwd) -> None:
@@ -156,69 +147,55 @@ def tls_files(tmp_path_factory):
     return d
 
 
-def test_tls_with_a_private_ca(tls_files, monkeypatch):
-    srv = ServerProcess(
+def test_tls_with_a_private_ca(tls_files, monkeypatch, start_server):
+    srv = start_server(
         "--certfile", str(tls_files / "server.pem"), "--keyfile", str(tls_files / "server.key")
     )
-    try:
-        assert srv.url.startswith("wss://127.0.0.1:")
-        monkeypatch.delenv("RGPU_CA_BUNDLE", raising=False)
-        with pytest.raises(rgpu.ConnectError, match="could not be verified.*RGPU_CA_BUNDLE"):
-            rgpu.connect(srv.url)
-        monkeypatch.setenv("RGPU_CA_BUNDLE", str(tls_files / "ca.pem"))
+    assert srv.url.startswith("wss://127.0.0.1:")
+    monkeypatch.delenv("RGPU_CA_BUNDLE", raising=False)
+    with pytest.raises(rgpu.ConnectError, match="could not be verified.*RGPU_CA_BUNDLE"):
         rgpu.connect(srv.url)
-        x = torch.randn(300_000)  # chunked transfers over TLS too
-        assert torch.equal(x.to("rgpu").cpu(), x)
-        big = torch.randn(3_000_000)  # and the bulk lane, over TLS as well
-        assert torch.equal(big.to("rgpu").cpu(), big)
-        assert rgpu.stats()["lane_transfers"] == 2
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+    monkeypatch.setenv("RGPU_CA_BUNDLE", str(tls_files / "ca.pem"))
+    rgpu.connect(srv.url)
+    x = torch.randn(300_000)  # chunked transfers over TLS too
+    assert torch.equal(x.to("rgpu").cpu(), x)
+    big = torch.randn(3_000_000)  # and the bulk lane, over TLS as well
+    assert torch.equal(big.to("rgpu").cpu(), big)
+    assert rgpu.stats()["lane_transfers"] == 2
 
 
-def test_the_server_limits_its_sessions():
-    srv = ServerProcess("--max-sessions", "1")
-    try:
-        rgpu.connect(srv.url)
-        code = f"import rgpu; rgpu.connect({srv.url!r})"
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
-        )
-        assert out.returncode != 0
-        assert (
-            "refused this client: the rgpu server already serves its maximum of 1 sessions"
-            in out.stderr
-        )
-        assert torch.ones(2, device="rgpu").sum().item() == 2.0  # the first session is unaffected
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+def test_the_server_limits_its_sessions(start_server):
+    srv = start_server("--max-sessions", "1")
+    rgpu.connect(srv.url)
+    code = f"import rgpu; rgpu.connect({srv.url!r})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert (
+        "refused this client: the rgpu server already serves its maximum of 1 sessions"
+        in out.stderr
+    )
+    assert torch.ones(2, device="rgpu").sum().item() == 2.0  # the first session is unaffected
 
 
-def test_a_session_over_its_quota_gets_an_out_of_memory_error_and_recovers():
-    srv = ServerProcess("--session-quota-mb", "9")
-    try:
-        rgpu.connect(srv.url)
-        a = torch.zeros(1024, 1024, device="rgpu")  # 4 MiB
-        big = torch.ones(1536, 1024, device="rgpu")  # 6 MiB more: over the quota, refused
-        with pytest.raises(
-            rgpu.RemoteError,
-            match="OutOfMemoryError: this session holds .* quota on this server is 9437184",
-        ):
-            torch.rgpu.synchronize()
-        with pytest.raises(rgpu.RemoteError, match="OutOfMemoryError"):
-            big.sum().item()  # the refused tensor stays unusable
-        b = a + 1  # 4 MiB more: 8 MiB held, under the quota
-        with pytest.raises(rgpu.RemoteError, match="OutOfMemoryError"):
-            (b * 2).sum().item()  # over it again
-        del b, big
-        c = (a + 2).sum().item()  # after freeing, the session works again
-        assert c == 2 * 1024 * 1024
-        assert rgpu.session_info()["quota"] == 9 << 20
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+def test_a_session_over_its_quota_gets_an_out_of_memory_error_and_recovers(start_server):
+    srv = start_server("--session-quota-mb", "9")
+    rgpu.connect(srv.url)
+    a = torch.zeros(1024, 1024, device="rgpu")  # 4 MiB
+    big = torch.ones(1536, 1024, device="rgpu")  # 6 MiB more: over the quota, refused
+    with pytest.raises(
+        rgpu.RemoteError,
+        match="OutOfMemoryError: this session holds .* quota on this server is 9437184",
+    ):
+        torch.rgpu.synchronize()
+    with pytest.raises(rgpu.RemoteError, match="OutOfMemoryError"):
+        big.sum().item()  # the refused tensor stays unusable
+    b = a + 1  # 4 MiB more: 8 MiB held, under the quota
+    with pytest.raises(rgpu.RemoteError, match="OutOfMemoryError"):
+        (b * 2).sum().item()  # over it again
+    del b, big
+    c = (a + 2).sum().item()  # after freeing, the session works again
+    assert c == 2 * 1024 * 1024
+    assert rgpu.session_info()["quota"] == 9 << 20
 
 
 def test_sessions_cannot_name_each_others_tensors(server):

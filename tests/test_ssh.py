@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from loops import mlp_losses
-from rgpu_test_servers import TOKEN_FOR_TESTS, ServerProcess, port_of
+from rgpu_test_servers import TOKEN_FOR_TESTS, port_of
 from ssh_host import SshHost, accepts, free_port, missing
 
 import rgpu
@@ -353,26 +353,25 @@ def test_the_default_server_lookup_says_when_rgpu_server_is_missing(tmp_path):
     assert (done.returncode, done.stdout.strip()) == (127, "RGPU_NO_SERVER")
 
 
-def test_a_running_server_token_is_read_over_ssh_from_its_token_file(fresh, tmp_path, monkeypatch):
+def test_a_running_server_token_is_read_over_ssh_from_its_token_file(
+    fresh, tmp_path, monkeypatch, start_server
+):
     """rgpu-server --token-file writes a fresh token (mode 0600) that the ssh client reads back."""
-    srv = ServerProcess("--token-file", env={"HOME": str(tmp_path), "RGPU_TOKEN": ""})
-    try:
-        port = port_of(srv.url)
-        path = tmp_path / ".config" / "rgpu" / f"token-{port}"
-        token = path.read_text().strip()
-        assert len(token) >= 40 and token != TOKEN_FOR_TESTS
-        assert path.stat().st_mode & 0o777 == 0o600
-        assert path.parent.stat().st_mode & 0o777 == 0o700
-        assert token not in srv.wait_log(str(path)) and "clients connect with" not in srv.log()
-        monkeypatch.delenv("RGPU_TOKEN")
-        session = rgpu.connect(f"ssh://rgpu-test?port={port}&start=no&token_file={path}")
-        assert session.token == token
-        assert torch.full((3,), 2.0, device="rgpu").prod().item() == 8.0
-        rgpu.disconnect()
-        with pytest.raises(rgpu.AuthError, match="--token-file"):
-            rgpu.connect(f"ssh://rgpu-test?port={port}&start=no&token_file=/nonexistent")
-    finally:
-        srv.stop()
+    srv = start_server("--token-file", env={"HOME": str(tmp_path), "RGPU_TOKEN": ""})
+    port = port_of(srv.url)
+    path = tmp_path / ".config" / "rgpu" / f"token-{port}"
+    token = path.read_text().strip()
+    assert len(token) >= 40 and token != TOKEN_FOR_TESTS
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert token not in srv.wait_log(str(path)) and "clients connect with" not in srv.log()
+    monkeypatch.delenv("RGPU_TOKEN")
+    session = rgpu.connect(f"ssh://rgpu-test?port={port}&start=no&token_file={path}")
+    assert session.token == token
+    assert torch.full((3,), 2.0, device="rgpu").prod().item() == 8.0
+    rgpu.disconnect()
+    with pytest.raises(rgpu.AuthError, match="--token-file"):
+        rgpu.connect(f"ssh://rgpu-test?port={port}&start=no&token_file=/nonexistent")
 
 
 def test_percent_rgpu_connect_accepts_ssh_urls(fresh, server, capsys):

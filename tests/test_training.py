@@ -432,22 +432,38 @@ def test_sessions_have_their_own_random_streams(server, dev):
     import sys
     import textwrap
 
+    # another session reseeds and draws without pause from before our first draw until after
+    # our last one (it stops when its stdin closes)
     noisy = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
-            import torch, rgpu
+            import sys, threading, torch, rgpu
             rgpu.connect({server.url!r})
-            for i in range(300):
+            stop = threading.Event()
+            threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+            i = 0
+            while not stop.is_set():
                 torch.manual_seed(i)
                 torch.rand(1000, device="rgpu").sum().item()
-        """)]
+                i += 1
+                if i == 1:
+                    print("drawing", flush=True)
+            print(i, flush=True)
+        """)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
     try:
+        assert noisy.stdout.readline().strip() == "drawing"
         draws = []
         for _ in range(20):
             torch.manual_seed(99)
             draws.append(torch.rand(50, device=dev).cpu())
+        noisy.stdin.close()
+        assert int(noisy.stdout.readline()) > 1  # it was still drawing during ours
         torch.manual_seed(99)
         expected = torch.rand(50)
         assert all(torch.equal(d, expected) for d in draws)
     finally:
+        noisy.kill()
         noisy.wait(timeout=120)

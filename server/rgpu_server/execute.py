@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, ProtocolError, Status, TensorMeta, storage_span
+from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, ProtocolError, Status, TensorMeta
 
 from . import rng
 from .ops import OpRefused, resolve
@@ -119,41 +119,43 @@ def store(s: SessionState, resolved: Any, msg: list, outs: list, result: Any) ->
         s.charge(resolved.label, outs)
 
 
+def _layout(meta: tuple) -> str:
+    """`float32 [4, 2] strides [1, 4] offset 0` (and conj/neg bits when set)."""
+    dtype, shape, stride, offset, conj, neg = meta
+    bits = (" conj" if conj else "") + (" neg" if neg else "")
+    return f"{dtype} {shape} strides {stride} offset {offset}{bits}"
+
+
 def check_expected(s: SessionState, label: str, flat: list, expect: Any, outs: list) -> list | None:
-    """Make outputs match the client's predicted layout (a copy when only strides differ)."""
+    """Check outputs against the client's predicted metadata; fail the op on any difference.
+
+    The client makes views of an output from its prediction alone, so an output laid out
+    otherwise would be read wrongly later: it is reported, never re-laid-out or replaced.
+    Strides are compared where they address memory (dims of size > 1 of a non-empty tensor),
+    as torch._prims_common.check_significant_strides does."""
     if type(expect) is not list or len(expect) != len(flat):
         raise ProtocolError("expected-metadata list does not match the outputs")
-    fixed = list(flat)
     for k, (v, e) in enumerate(zip(flat, expect)):
         if e is None or not isinstance(v, torch.Tensor):
             continue
         if type(e) is not TensorMeta:
             raise ProtocolError("expected metadata must be tensor metadata")
-        if v.dtype == e.dtype and v.numel() == 0 and tuple(v.shape) != tuple(e.shape):
-            # e.g. batch norm's save_mean in eval mode: the real kernel returns an empty
-            # tensor where the meta kernel (and CUDA) return one of size C; nothing reads it
-            fixed[k] = torch.zeros(e.shape, dtype=e.dtype, device=v.device).as_strided(
-                e.shape, e.stride
-            )
-            s.conformed += 1
-            continue
-        if v.dtype != e.dtype or tuple(v.shape) != tuple(e.shape):
+        shape, stride = list(v.shape), list(v.stride())
+        got = (v.dtype, shape, stride, v.storage_offset(), v.is_conj(), v.is_neg())
+        want = (e.dtype, list(e.shape), list(e.stride), e.offset, bool(e.conj), bool(e.neg))
+        same = got[:2] == want[:2] and got[3:] == want[3:] and len(want[2]) == len(stride)
+        if same and v.numel() > 0:
+            same = all(n == 1 or a == b for n, a, b in zip(shape, stride, want[2]))
+        if not same:
+            s.meta_mismatches += 1
             s.fail(
                 label,
-                f"rgpu predicted output {k} as {e.dtype} {list(e.shape)} but the server produced "
-                f"{v.dtype} {list(v.shape)}; please report this as an rgpu bug",
+                f"rgpu predicted output {k} as {_layout(want)} but the server produced "
+                f"{_layout(got)}; please report this as an rgpu bug",
                 outs,
             )
             return None
-        if v.stride() != tuple(e.stride) or v.storage_offset() != e.offset:
-            base = torch.empty(
-                max(storage_span(e.shape, e.stride, e.offset), 0), dtype=v.dtype, device=v.device
-            )
-            out = base.as_strided(e.shape, e.stride, e.offset)
-            out.copy_(v)
-            fixed[k] = out
-            s.conformed += 1
-    return fixed
+    return flat
 
 
 def run_dynamic(s: SessionState, seq: int, msg: list) -> None:

@@ -47,7 +47,7 @@ class SessionState:
         self.current_seq = 0  # the message running now
         self.stream = ServerStream(limits)
         self.ops_run = 0
-        self.conformed = 0
+        self.meta_mismatches = 0  # ops failed because an output differed from `expect`
         self.started = time.time()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(DEFAULT_SEED)
@@ -177,7 +177,7 @@ class SessionState:
             "bytes": nbytes,
             "last_seq": self.last_seq,
             "ops_run": self.ops_run,
-            "conformed": self.conformed,
+            "meta_mismatches": self.meta_mismatches,
             "quota": self.quota.limit if self.quota is not None else None,
             "graphs": len(self.graphs),
             "lane_transfers": self.lane_transfers,

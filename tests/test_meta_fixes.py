@@ -1,0 +1,337 @@
+"""Predicted layouts are the server's: rgpu/meta_fixes.py against the CPU's kernels.
+
+The client builds views of an op's outputs from its predicted layout, so a wrong prediction reads
+wrong elements without an error. Without a server, every aten op that PyTorch's OpInfo samples
+reach (its first two samples, forward in float32 and bfloat16, backward in float32), and pointwise ops on random layouts
+(transposed, expanded, broadcast, sliced, empty), must be predicted with the CPU's dtype, shape
+and strides where they address memory. Ops that learn their layout from the server
+(`meta_fixes.must_ask_server`) are left out. End to end, the issue's own examples read the right
+numbers through views.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+import rgpu
+from rgpu import meta_fixes
+
+torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+
+
+def _meta_like(x):
+    if isinstance(x, torch.Tensor) and x.layout == torch.strided and x.device.type == "cpu":
+        m = torch.empty(0, dtype=x.dtype, device="meta")
+        storage = torch.empty(x.untyped_storage().nbytes(), dtype=torch.uint8, device="meta")
+        m.set_(storage.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+        torch._C._set_conj(m, x.is_conj())
+        torch._C._set_neg(m, x.is_neg())
+        return m
+    if isinstance(x, torch.device) and x.type == "cpu":
+        return torch.device("meta")
+    return x
+
+
+def _layout_differs(real: torch.Tensor, predicted: torch.Tensor) -> bool:
+    if (real.dtype, real.shape, real.storage_offset()) != (
+        predicted.dtype,
+        predicted.shape,
+        predicted.storage_offset(),
+    ):
+        return True
+    return real.numel() > 0 and any(
+        n > 1 and a != b for n, a, b in zip(real.shape, real.stride(), predicted.stride())
+    )
+
+
+class PredictEveryOp(TorchDispatchMode):
+    """Runs each aten op on the CPU and predicts it on meta, as rgpu's dispatch does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrong: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func, types, args, kwargs=None):
+        kwargs = kwargs or {}
+        margs, mkwargs = tree_map(_meta_like, (args, kwargs))  # before an in-place op runs
+        out = func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        if func.namespace != "aten" or meta_fixes.must_ask_server(func, args):
+            return out
+        try:
+            predicted = meta_fixes.run_meta(func, margs, mkwargs, "cpu")
+        except Exception:
+            return out  # no meta kernel: rgpu asks the server (RUN_DYN)
+        got, want = tree_flatten(out)[0], tree_flatten(predicted)[0]
+        for i, (r, m) in enumerate(zip(got, want)):
+            if (
+                isinstance(r, torch.Tensor)
+                and r.layout == torch.strided
+                and isinstance(m, torch.Tensor)
+            ):
+                if _layout_differs(r, m):
+                    self.wrong.setdefault(
+                        str(func),
+                        f"{name} output {i}: CPU {r.dtype} {tuple(r.shape)} {r.stride()}, "
+                        f"predicted {m.dtype} {tuple(m.shape)} {m.stride()}",
+                    )
+        return out
+
+
+def _samples(op, dtype, requires_grad: bool, k: int = 2) -> list:
+    return list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=requires_grad), k))
+
+
+def _loss(out):
+    terms = [
+        (torch.view_as_real(o) if o.is_complex() else o).sum()
+        for o in tree_flatten(out)[0]
+        if isinstance(o, torch.Tensor) and o.requires_grad
+    ]
+    return sum(terms) if terms else None
+
+
+@pytest.mark.parametrize(
+    "dtype, grad",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["float32", "bfloat16", "float32-backward"],
+)
+def test_every_op_the_opinfo_samples_reach_is_predicted_with_the_cpus_layout(dtype, grad):
+    mode = PredictEveryOp()
+    ran = 0
+    for op in torch_testing.op_db:
+        if dtype not in op.supported_dtypes("cpu") or (grad and not op.supports_autograd):
+            continue
+        for sample in _samples(op, dtype, grad):
+            try:
+                with mode:
+                    out = op(sample.input, *sample.args, **sample.kwargs)
+                    loss = _loss(out) if grad else None
+                    leaves = [
+                        t
+                        for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
+                        if isinstance(t, torch.Tensor) and t.requires_grad
+                    ]
+                    if loss is not None and leaves:
+                        torch.autograd.grad(loss, leaves, allow_unused=True)
+                ran += 1
+            except Exception:
+                continue  # the sample is invalid on the CPU
+    assert ran > 400
+    assert not mode.wrong, "\n".join(mode.wrong.values())
+
+
+def _random_layout(rng: random.Random, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` laid out at random: permuted, expanded, sliced, or contiguous."""
+    n = len(shape)
+    perm = list(range(n))
+    rng.shuffle(perm)
+    kind = rng.choice(["contiguous", "permuted", "expanded", "sliced"])
+    if kind == "contiguous":
+        perm = list(range(n))
+    physical = [shape[d] for d in perm]
+    if kind == "expanded":
+        physical = [1 if rng.random() < 0.4 else s for s in physical]
+    base = torch.zeros([2 * s for s in physical] if kind == "sliced" else physical, dtype=dtype)
+    if kind == "sliced":
+        base = base[tuple(slice(None, None, 2) for _ in physical)]
+    return base.permute([perm.index(d) for d in range(n)]).expand(shape)
+
+
+POINTWISE = sorted(
+    (
+        op
+        for name in dir(torch.ops.aten)
+        if hasattr(packet := getattr(torch.ops.aten, name), "overloads")
+        for op in (getattr(packet, o) for o in packet.overloads())
+        if meta_fixes._follows_tensor_iterator(op)
+        and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd"
+        )
+    ),
+    key=str,
+)
+
+
+def _arguments(rng, op, dtype, shape):
+    args = []
+    for a in op._schema.arguments:
+        kind = str(a.type)
+        if a.kwarg_only or (a.has_default_value() and "Tensor" not in kind):
+            break
+        if kind in ("Tensor", "Tensor?"):
+            k = rng.randint(0, len(shape))
+            sub = [1 if rng.random() < 0.3 else d for d in shape[len(shape) - k :]]
+            t_dtype = torch.bool if a.name in ("condition", "mask") else dtype
+            args.append(_random_layout(rng, sub if rng.random() < 0.6 else shape, t_dtype))
+        elif kind in ("Scalar", "number", "float"):
+            args.append(0.5 if dtype.is_floating_point else 2)
+        elif kind in ("int", "SymInt"):
+            args.append(1)
+        elif kind == "bool":
+            args.append(False)
+        else:
+            return None
+    return args
+
+
+def test_pointwise_ops_on_random_layouts_are_predicted_with_the_cpus_strides():
+    rng = random.Random(0)
+    dtypes = [
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+    ]
+    wrong, compared = {}, 0
+    for _ in range(6000):
+        op = rng.choice(POINTWISE)
+        dtype = rng.choice(dtypes)
+        shape = [
+            rng.choice([1, 2, 3, 4] if rng.random() > 0.1 else [0, 1, 3])
+            for _ in range(rng.randint(0, 4))
+        ]
+        args = _arguments(rng, op, dtype, shape)
+        if args is None or meta_fixes.must_ask_server(op, tuple(args)):
+            continue
+        try:
+            real = op(*args)
+        except Exception:
+            continue  # not a valid call
+        try:
+            predicted = meta_fixes.run_meta(op, tuple(_meta_like(a) for a in args), {}, "cpu")
+        except Exception:
+            continue  # no meta kernel (equal): rgpu asks the server; or a loud meta error
+        compared += 1
+        for r, m in zip(tree_flatten(real)[0], tree_flatten(predicted)[0]):
+            if isinstance(r, torch.Tensor) and _layout_differs(r, m):
+                wrong.setdefault(
+                    str(op),
+                    [
+                        (tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
+                        for a in args
+                    ],
+                )
+    assert compared > 2000
+    assert not wrong, wrong
+
+
+def test_tensor_iterator_strides_follow_the_layout_of_the_decisive_input():
+    tis = meta_fixes.tensor_iterator_strides
+    assert tis([((2, 3), (3, 1)), ((2, 3), (3, 1))], (2, 3)) == (3, 1)  # contiguous fast path
+    assert tis([((2, 3), (0, 0)), ((2, 3), (1, 2))], (2, 3)) == (
+        1,
+        2,
+    )  # an expanded input is skipped
+    assert tis([((3,), (1,)), ((2, 3), (1, 2))], (2, 3)) == (1, 2)  # a broadcast input too
+    assert tis([((1, 3), (1, 1)), ((), ())], (1, 3)) == (1, 1)  # a 0-dim operand: no fast path
+    assert tis([((1, 3, 2), (1, 0, 1)), ((3, 2), (2, 1)), ((1,), (1,))], (1, 3, 2)) == (1, 1, 3)
+    assert tis([((2, 3), (3, 1)), ((4, 3), (3, 1))], (2, 3)) is None  # does not broadcast
+
+
+def test_the_device_hint_is_the_servers_only_while_predicting():
+    x = torch.empty(5, 3, device="meta")
+    on_cpu = meta_fixes.run_meta(torch.ops.aten.nonzero_static.default, (x,), {"size": 4}, "cpu")
+    on_cuda = meta_fixes.run_meta(torch.ops.aten.nonzero_static.default, (x,), {"size": 4}, "cuda")
+    assert on_cpu.stride() == (2, 1) and on_cuda.stride() == (1, 4)
+    # outside a prediction, torch's own answer for a meta tensor (CUDA) is untouched
+    assert torch.nonzero_static(x, size=4).stride() == (1, 4)
+
+
+# -- end to end: wrong predictions used to read wrong numbers through views -------------------
+
+
+def test_nonzero_static_read_through_a_view_matches_the_cpu(dev):
+    x = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    expected = torch.nonzero_static(x, size=4)
+    got = torch.nonzero_static(x.to(dev), size=4)
+    assert got.stride() == expected.stride()
+    assert torch.equal(got[:, 1].cpu(), expected[:, 1])  # the issue's example: [1, 0, -1, -1]
+    assert torch.equal(got.t().cpu(), expected.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_pointwise_op_of_an_expanded_and_a_transposed_input_reads_right(dev, dtype):
+    a = torch.tensor([1.5], dtype=dtype)
+    b = torch.arange(6.0, dtype=dtype).reshape(3, 2).t()
+    expected = a.expand(2, 3) * b
+    got = a.to(dev).expand(2, 3) * b.to(dev)
+    assert got.stride() == expected.stride()
+    assert torch.equal(got[:, 1].cpu(), expected[:, 1])
+    assert torch.equal(got.t().cpu(), expected.t())
+
+
+# -- the checking mode ----------------------------------------------------------------------
+
+
+def test_the_checking_mode_fails_an_op_whose_output_differs_from_its_prediction(dev, session):
+    from rgpu.tensor import next_id
+    from rgpu_protocol import Kind, TensorMeta
+
+    x = torch.ones(2, 3, device=dev)
+    wrong = TensorMeta(torch.float32, (2, 3), (1, 2), 0)  # column-major: the server makes (3, 1)
+    session.post((Kind.RUN, "clone.default", [x], None, [next_id()], [wrong]))
+    with pytest.raises(
+        rgpu.RemoteError,
+        match=r"predicted output 0 as torch.float32 \[2, 3\] strides \[1, 2\] offset 0 but the "
+        r"server produced torch.float32 \[2, 3\] strides \[3, 1\] offset 0",
+    ):
+        torch.rgpu.synchronize()
+    assert session.info()["meta_mismatches"] == 1
+    # the stride of a size-1 dim addresses no element: no difference
+    y = torch.ones(1, 3, device=dev)
+    size_one = TensorMeta(torch.float32, (1, 3), (7, 1), 0)
+    session.post((Kind.RUN, "clone.default", [y], None, [next_id()], [size_one]))
+    torch.rgpu.synchronize()
+    assert session.info()["meta_mismatches"] == 1
+
+
+def test_models_train_in_the_checking_mode_with_every_prediction_right(server):
+    """A fresh process with RGPU_CHECK_META=1: every op of an MLP, a CNN (batch norm, pooling,
+    channels-last too), a transformer (attention, layer norm) and LSTM/GRU layers, forward and
+    backward in float32 and bfloat16, is checked by the server against its prediction."""
+    code = """
+        import torch, rgpu
+        from rgpu.models import SmallCNN, TinyLM, LSTMRegressor, lm_batch, seed_mlp
+        rgpu.connect(RGPU_URL)
+        torch.manual_seed(0)
+        runs = [
+            (seed_mlp(), lambda: (torch.randn(16, 16),)),
+            (SmallCNN(), lambda: (torch.randn(4, 3, 16, 16),)),
+            (SmallCNN(channels_last=True), lambda: (torch.randn(4, 3, 16, 16),)),
+            (TinyLM(vocab=65, width=32, heads=4, layers=1, context=16),
+             lambda: lm_batch(65, 2, 16, torch.Generator().manual_seed(1))),
+            (LSTMRegressor(), lambda: (torch.randn(4, 5, 8),)),
+        ]
+        for dtype in (torch.float32, torch.bfloat16):
+            for model, batch in runs:
+                model = model.to("rgpu", dtype)
+                args = [a.to("rgpu", dtype) if a.is_floating_point() else a.to("rgpu") for a in batch()]
+                out = model(*args)
+                loss = out[1] if isinstance(out, tuple) else out.float().square().mean()
+                loss.backward()
+                torch.rgpu.synchronize()
+        print(rgpu.session_info()["meta_mismatches"])
+    """.replace("RGPU_URL", repr(server.url))
+    env = {**os.environ, "RGPU_CHECK_META": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["0"]
