@@ -92,8 +92,8 @@ def test_compiled_real_models_train_as_on_the_cpu_in_few_messages(session, make)
 
 
 def test_gpt2_with_its_kv_cache_compiles_with_inductor(session):
-    """Inductor on the server may lay out a saved activation differently from the trace (here the
-    cache's `cat` with an empty tensor); the server gives it the traced layout."""
+    """The KV cache in training mode: its `torch.tensor([])` is made inside the traced code, and
+    its `cat` with that empty constant runs in the server's Inductor graph."""
     torch.manual_seed(0)
     cpu, batch = _gpt2()
     remote = copy.deepcopy(cpu).to("rgpu")
