@@ -82,6 +82,8 @@ from .messages import (
     DEFAULT_SEED,
     GRAPH_CONSTANT_BYTES,
     MAX_DYNAMIC_OUTPUTS,
+    MAX_SEQUENCE_OPS,
+    MAX_SEQUENCES,
     MAX_TREE_TENSORS,
     SPECS,
     WAITED,
@@ -94,6 +96,7 @@ from .messages import (
     written_arguments,
     written_returns,
 )
+from .slots import EXT_SLOT, EXT_SLOT_VIEW, Slot, SlotKind, SlotView, slot_ext, slot_view_ext
 
 __all__ = [
     "tree",
@@ -109,6 +112,8 @@ __all__ = [
     "EXT_HOST",
     "EXT_NODE",
     "EXT_REF",
+    "EXT_SLOT",
+    "EXT_SLOT_VIEW",
     "EXT_VIEW",
     "EncodeError",
     "Encoder",
@@ -120,6 +125,8 @@ __all__ = [
     "LimitExceeded",
     "Limits",
     "MAX_DYNAMIC_OUTPUTS",
+    "MAX_SEQUENCE_OPS",
+    "MAX_SEQUENCES",
     "MAX_TREE_TENSORS",
     "NodeRef",
     "NodeTag",
@@ -129,6 +136,9 @@ __all__ = [
     "Refusal",
     "RefusalCode",
     "SPECS",
+    "Slot",
+    "SlotKind",
+    "SlotView",
     "Status",
     "TensorMeta",
     "ViewRef",
@@ -169,6 +179,8 @@ __all__ = [
     "refuse_frame",
     "reply_frame",
     "session_lost_message",
+    "slot_ext",
+    "slot_view_ext",
     "storage_span",
     "torch_major_minor",
     "unpack_one",

@@ -17,6 +17,7 @@ import msgpack
 import torch
 
 from .errors import EncodeError, LimitExceeded, ProtocolError
+from .slots import EXT_SLOT, EXT_SLOT_VIEW, Slot, SlotView, decode_slot, encode_slot
 
 # ext type codes (application range 0..127)
 EXT_REF = 1  # tensor id: u64
@@ -29,6 +30,7 @@ EXT_COMPLEX = 7  # two f64
 EXT_META = 8  # tensor metadata: u8 dtype, u8 ndim, u8 flags, i64 shape, i64 stride, i64 offset
 EXT_VIEW = 9  # a view of a tensor: u64 base id, u8 ndim, i64 shape, i64 stride, i64 offset
 EXT_NODE = 10  # a reference to an earlier node of a shipped graph: u32 index
+# EXT_SLOT = 11, EXT_SLOT_VIEW = 12: values of a defined sequence (slots.py)
 
 # Fixed wire codes. Never renumber; append only.
 _DTYPE_NAMES = (
@@ -190,6 +192,8 @@ def default(obj: Any) -> Any:
         return view_ext(obj.base, obj.shape, obj.stride, obj.offset)
     if t is NodeRef:
         return _ext(EXT_NODE, _U32.pack(obj.index))
+    if t is Slot or t is SlotView:
+        return encode_slot(obj)
     if t is complex:
         return msgpack.ExtType(EXT_COMPLEX, _COMPLEX.pack(obj.real, obj.imag))
     if t is torch.layout:
@@ -277,6 +281,8 @@ def decode_simple_ext(code: int, data: bytes) -> Any:
         if len(data) != 4:
             raise ProtocolError("node reference must be 4 bytes")
         return NodeRef(_U32.unpack(data)[0])
+    if code == EXT_SLOT or code == EXT_SLOT_VIEW:
+        return decode_slot(code, data)
     raise ProtocolError(f"unknown ext type {code}")
 
 

@@ -20,6 +20,8 @@ from .errors import ProtocolError
 MAX_DYNAMIC_OUTPUTS = 4096  # values one RUN_DYN may return; the client reserves this many ids
 MAX_TREE_TENSORS = 1 << 20  # tensors one LOAD may make; the client reserves this many ids
 DEFAULT_SEED = 67280421310721  # torch's own default seed: a fresh session acts like a new process
+MAX_SEQUENCES = 64  # sequence slots (DEFINE) one session holds: slot numbers 0 .. 63
+MAX_SEQUENCE_OPS = 16384  # ops in one defined sequence
 
 
 class Kind(IntEnum):
@@ -35,6 +37,8 @@ class Kind(IntEnum):
     INFO = 8
     RNG_GET = 9
     RNG_SET = 10
+    DEFINE = 11
+    REPLAY = 12
     COMPILE = 16
     CALL = 17
     ACK = 18
@@ -55,7 +59,7 @@ class Kind(IntEnum):
 
 class Status(IntEnum):
     OK = 0
-    ERROR = 1  # value: [op_label, message] -- a remote failure; the session carries on
+    ERROR = 1  # value: [op_label, message, seq, index?] -- a remote failure; the session carries on
     PROTOCOL = 2  # value: message -- the server could not understand what it got
 
 
@@ -122,6 +126,15 @@ SPECS: dict[int, MessageSpec] = {
         _spec(Kind.INFO, True, "reply: a map of session and server facts"),
         _spec(Kind.RNG_GET, True, "reply: the session generator's state"),
         _spec(Kind.RNG_SET, False, "set the session generator's state", Field("state", (bytes,))),
+        _spec(Kind.DEFINE, False, "keep a sequence of ops in a slot (0 .. MAX_SEQUENCES - 1), "
+              "replacing what it held: ops [op, args, kwargs, out offsets, expect], tensors and "
+              "varying scalars named by EXT_SLOT values", Field("slot", (int,)),
+              Field("ops", (list,))),
+        _spec(Kind.REPLAY, False, "run ops [start, stop) of the sequence in a slot as if each "
+              "came as a RUN: ids base + offset, the run's inputs (ids, in order of first use; "
+              "these ops' new ones), these ops' varying scalars",
+              Field("slot", (int,)), Field("start", (int,)), Field("stop", (int,)),
+              Field("base", (int,)), Field("inputs", (list,)), Field("params", (list,))),
         _spec(Kind.COMPILE, False, "build (and cache) a shipped graph",
               Field("key", (str,)), Field("nodes", (list,)), Field("compiler", (str,)),
               Field("mode", (str, _NoneType))),
@@ -166,7 +179,7 @@ WAITED = frozenset(k for k, s in SPECS.items() if s.waited)
 # the kinds an interrupt cancels when the server has not started them: the work. (FREE, SEED,
 # RNG_SET, UPLOAD and the like still run: they are cheap, and later messages rely on them.)
 CANCELLABLE = frozenset(
-    {Kind.RUN, Kind.RUN_DYN, Kind.CALL, Kind.DOWNLOAD, Kind.LOAD, Kind.SAVE, Kind.SYNC}
+    {Kind.RUN, Kind.RUN_DYN, Kind.CALL, Kind.REPLAY, Kind.DOWNLOAD, Kind.LOAD, Kind.SAVE, Kind.SYNC}
 )
 
 

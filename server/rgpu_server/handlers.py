@@ -7,10 +7,11 @@ checked against its `MessageSpec` (rgpu_protocol.messages).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from rgpu_protocol import SPECS, Kind
 
-from . import control, execute, files, graph_messages, keeping, transfers
+from . import control, execute, files, graph_messages, keeping, replay, transfers
 from .state import SessionState
 
 Handler = Callable[[SessionState, int, list], None]
@@ -26,6 +27,8 @@ HANDLERS: dict[int, Handler] = {
     Kind.INFO: control.info,
     Kind.RNG_GET: control.rng_get,
     Kind.RNG_SET: control.rng_set,
+    Kind.DEFINE: replay.define,
+    Kind.REPLAY: replay.replay,
     Kind.ACK: control.ack,
     Kind.COMPILE: graph_messages.compile_graph,
     Kind.CALL: graph_messages.call_graph,
@@ -43,6 +46,15 @@ HANDLERS: dict[int, Handler] = {
     Kind.SESSIONS: keeping.sessions,
     Kind.DROP_SESSION: keeping.drop_session,
 }
+
+
+def cancel_message(s: SessionState, seq: int, spec: Any, msg: list) -> None:
+    """An interrupt cancelled this message before it ran (a REPLAY: each of its ops)."""
+    if msg[0] == Kind.REPLAY:
+        replay.cancel(s, seq, spec, msg)
+    else:
+        execute.cancel(s, seq, spec, msg)
+
 
 discard_chunks = transfers.DISCARD  # where the chunks of a replayed, already applied upload go
 

@@ -33,8 +33,7 @@ from rgpu_protocol import (
 from rgpu_protocol.codec import Device
 from rgpu_protocol.server_stream import Action, ServerStream, UploadAborted
 
-from .execute import cancel as cancel_message
-from .handlers import HANDLERS, discard_chunks
+from .handlers import HANDLERS, cancel_message, discard_chunks
 from .poison import Poison, describe
 from .state import SessionState
 
@@ -191,6 +190,8 @@ class Session(SessionState):
         self.tensors = {}
         self.stream = ServerStream(self.limits)
         self.first_error = None
+        self.sequences = {}
+        self.sequence_run = None
         self.sink = None
         self.bad = None
         self.refs = {}

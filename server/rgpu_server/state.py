@@ -43,8 +43,12 @@ class SessionState:
         self.limits = limits
         self.client = client
         self.tensors: dict[int, torch.Tensor | Poison] = {}
-        self.first_error: tuple[str, str, int] | None = None  # label, message, failing seq
+        # label, message, failing seq (and, inside a REPLAY, the failing op's index)
+        self.first_error: tuple | None = None
         self.current_seq = 0  # the message running now
+        self.replay_index: int | None = None  # the op of a REPLAY running now (replay.py)
+        self.sequences: dict[int, Any] = {}  # DEFINE'd sequences by slot (replay.py)
+        self.sequence_run: Any = None  # the run REPLAY messages continue (replay.py)
         self.stream = ServerStream(limits)
         self.ops_run = 0
         self.meta_mismatches = 0  # ops failed because an output differed from `expect`
@@ -80,14 +84,14 @@ class SessionState:
 
     def fail(self, label: str, message: str, outs: Any) -> None:
         """Poison these ids with the op's error; the first error is reported at the next wait."""
-        poison = Poison(label, message, self.current_seq)
+        poison = Poison(label, message, self.current_seq, self.replay_index)
         for i in outs:
             if i is not None:
                 if self.quota is not None:
                     self.quota.uncharge(i)
                 self.tensors[i] = poison
         if self.first_error is None:
-            self.first_error = (label, message, self.current_seq)
+            self.first_error = tuple(poison.reply())
 
     def missing_message(self) -> str:
         return f"KeyError: no tensor with id {self.bad} in this session (freed, or never created)"
@@ -108,7 +112,7 @@ class SessionState:
         poisoned."""
         bad = self.bad
         if type(bad) is Poison:
-            return [bad.label, bad.message, bad.seq]
+            return bad.reply()
         return [label, f"KeyError: no tensor with id {bad} in this session", self.current_seq]
 
     def written_ids(self, resolved: Any, args: list, kwargs: dict | None) -> list[int]:
@@ -139,9 +143,11 @@ class SessionState:
         for i in ids:
             if i is not None:
                 self.quota.uncharge(i)
-                self.tensors[i] = Poison(label, message, self.current_seq)
+                self.tensors[i] = Poison(label, message, self.current_seq, self.replay_index)
         if report and self.first_error is None:
-            self.first_error = (label, message, self.current_seq)
+            self.first_error = tuple(
+                Poison(label, message, self.current_seq, self.replay_index).reply()
+            )
         return False
 
     # -- replies and facts -------------------------------------------------------------------
