@@ -21,6 +21,7 @@ class Settings:
         self._progress_bytes: int | None = None
         self._generate_lookahead: int | None = None
         self._op_sites = False
+        self._replay: bool | None = None
         self._sessions: weakref.WeakSet = weakref.WeakSet()
 
     @property
@@ -40,6 +41,23 @@ class Settings:
         """A session that reads these settings on its hot path: it hears of changes."""
         self._sessions.add(session)
         session.record_sites = self._op_sites
+        if self._replay is not None:
+            session.replay.set_enabled(self._replay)
+
+    @property
+    def replay(self) -> bool | None:
+        """Replayed steps (rgpu.replay): a repeated op sequence goes to the server once, then one
+        message per repetition. False sends every op as it is. Until set here (None), each
+        session's RGPU_REPLAY decides (on by default)."""
+        return self._replay
+
+    @replay.setter
+    def replay(self, value: bool | None) -> None:
+        self._replay = None if value is None else bool(value)
+        for session in list(self._sessions):
+            session.replay.set_enabled(
+                session.config.replay if self._replay is None else self._replay
+            )
 
     @property
     def progress_bytes(self) -> int:

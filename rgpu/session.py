@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -39,11 +38,13 @@ from rgpu_protocol.client_stream import FIRST, FULL, ClientStream
 from . import dedup
 from .config import Config
 from .connection import Connection, split_token
+from .counters import Counters
 from .errors import ConnectionLost, RgpuError
 from .link import Link
 from .peek import Peeks
 from .progress import settings
 from .reconnect import ReconnectMixin
+from .replay import Replayer
 from .sites import OpSites
 from .tensor import RemoteTensor
 from .transfers import UPLOAD_CHUNK, ChunkedUpload, TransferMixin
@@ -73,28 +74,6 @@ def _encode_hook(obj: Any) -> Any:
             "Seed it with torch.manual_seed(...) or torch.rgpu.manual_seed(...)."
         )
     return default(obj)
-
-
-@dataclass
-class Counters:
-    """What `rgpu.stats()` reports (see the README's definitions)."""
-
-    messages: int = 0
-    waits: int = 0
-    bytes_out: int = 0  # on the wire, after op-stream compression
-    bytes_in: int = 0
-    frames: int = 0
-    wait_seconds: float = 0.0
-    reconnects: int = 0
-    async_readbacks: int = 0
-    dedup_hits: int = 0
-    dedup_bytes_saved: int = 0
-    compressed_frames: int = 0
-    compression_saved: int = 0
-    lane_transfers: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class Session(WaitMixin, TransferMixin, ReconnectMixin):
@@ -169,6 +148,7 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         self.sites = OpSites()  # where ops were queued, when rgpu.settings.op_sites is on
         self.record_sites = False
         self.peeks = Peeks()  # live facts asked out of band (rgpu.peek)
+        self.replay = Replayer(self, _encode_hook, config.replay)  # replayed steps (rgpu.replay)
         settings.watch(self)
         self._quiet = threading.Thread(
             target=self._quiet_loop, name="rgpu-quiet-flush", daemon=True
@@ -224,8 +204,8 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
             )
 
     def post(self, msg: tuple, data_bytes: int = 0) -> None:
-        """Queue a message that needs no answer (`data_bytes`: inline tensor bytes in it)."""
-        flow = False
+        """Queue a message that needs no answer (`data_bytes`: inline tensor bytes in it); a
+        RUN may be held instead, for a replayed sequence (rgpu.replay)."""
         if self.uploads._unsettled:  # before this op can change a tensor an upload went into
             self.uploads.settle()
         with self.lock:
@@ -233,24 +213,33 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 self.check_usable()
             if self.free_bytes >= FREE_BYTES or len(self.frees) >= FREE_COUNT:
                 self._drain_frees_locked()  # big or many: let the server reuse that memory now
-            data = self._encode(msg)
-            queued = self.stream.append(data, data_bytes)
-            self.bytes_out += len(data)
-            self.messages += 1
-            if self.record_sites:
-                self.sites.note(self.stream.next_seq - 1)
-            if queued == FULL:
-                self.flush_locked()
-                flow = self.stream.over_limit
-            elif queued == FIRST:
-                self._quiet_kick.set()
+            if self.replay.on and self.replay.take(msg):
+                flow = self.replay.sent and self.stream.over_limit
+            else:
+                flow = self.queue_locked(msg, data_bytes)
         if flow:
             self._wait_for_confirmations()
+
+    def queue_locked(self, msg: tuple, data_bytes: int = 0, sites: list | None = None) -> bool:
+        """Queue one message (lock held; `sites`: a REPLAY's ops'); True: flow control waits."""
+        data = self._encode(msg)
+        queued = self.stream.append(data, data_bytes)
+        self.bytes_out += len(data)
+        self.messages += 1
+        if self.record_sites:
+            self.sites.note(self.stream.next_seq - 1, 3, sites)
+        if queued == FULL:
+            self.flush_locked()
+            return self.stream.over_limit
+        if queued == FIRST:
+            self._quiet_kick.set()
+        return False
 
     def post_chunked(self, msg: tuple, nbytes: int, upload: ChunkedUpload) -> int:
         """Queue a chunked UPLOAD and send the queue, ending with it (lock held); its chunks
         must follow at once. Returns its sequence number."""
         self.check_usable()
+        self.replay.end()
         self._drain_frees_locked()
         data = self._encode(msg)
         self.stream.append(data)
@@ -263,6 +252,7 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
     def flush(self) -> None:
         """Send everything queued, frees included (no wait). Jupyter calls it between cells."""
         with self.lock:
+            self.replay.end()  # a flush ends the segment (Jupyter: between cells)
             if self.stream.pending or self.frees:
                 self.check_usable()
                 self._drain_frees_locked()
@@ -272,6 +262,7 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         """Turn the ids of garbage-collected tensors into one FREE message."""
         frees = self.frees
         if frees:
+            self.replay.cut()  # held ops may make the ids being freed: they go first
             ids = []
             try:
                 while True:
@@ -378,6 +369,7 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         with self.lock:
             try:
                 if self.broken is None and not self.reconnecting:
+                    self.replay.end()
                     self.flush_locked()
             except Exception:
                 pass
@@ -432,4 +424,5 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
             compressed_frames=link.compressed_frames,
             compression_saved=link.compression_saved,
             lane_transfers=link.lane_transfers,
+            replayed_ops=self.replay.replayed_ops,
         ).as_dict()

@@ -21,6 +21,7 @@ import rgpu_protocol
 
 LIMIT = 1 << 20  # runs kept; the oldest half goes when full
 WAIT_SITES = 4096  # distinct lines whose waits are counted; later new lines are not
+REPLAYS = 4096  # REPLAY messages whose ops' sites are kept
 # filename -> how to name it; the Jupyter extension names a cell's code "cell [7]"
 name_file: Callable[[str], str | None] | None = None
 _LIBRARY_DIRS = tuple(
@@ -48,6 +49,7 @@ class OpSites:
         # (filename, line) -> waits issued there: what a per-cell advisor names ("62 waits from
         # loss.item() at cell [7], line 4")
         self.waits: dict[tuple[str, int], int] = {}
+        self._replays: dict[int, list] = {}  # REPLAY seq -> the site of each op it carries
 
     def _user_frame(self, depth: int) -> Any:
         """The innermost frame outside the libraries, `depth` frames above the caller's caller."""
@@ -75,12 +77,28 @@ class OpSites:
         elif len(waits) < WAIT_SITES:
             waits[key] = 1
 
-    def note(self, seq: int, depth: int = 2) -> None:
-        """Message `seq` is being queued: remember the innermost frame outside the libraries."""
+    def here(self, depth: int = 2) -> tuple[str, int] | None:
+        """(filename, line) of the innermost frame outside the libraries."""
+        f = self._user_frame(depth)
+        return None if f is None else (f.f_code.co_filename, f.f_lineno)
+
+    def note(self, seq: int, depth: int = 2, keys: list | None = None) -> None:
+        """Message `seq` is being queued: remember the innermost frame outside the libraries.
+        For a REPLAY, `keys` are the sites of its ops, in order (`here()` when each was held):
+        a failure the server reports with an op's index names that op's line."""
+        if keys is not None:
+            self._replays[seq] = keys
+            if len(self._replays) > REPLAYS:
+                del self._replays[next(iter(self._replays))]
+            if keys and keys[0] is not None:
+                self._add(seq, keys[0])
+            return
         f = self._user_frame(depth)
         if f is None:
             return
-        key = (f.f_code.co_filename, f.f_lineno)
+        self._add(seq, (f.f_code.co_filename, f.f_lineno))
+
+    def _add(self, seq: int, key: tuple[str, int]) -> None:
         i = self._index.get(key)
         if i is None:
             i = self._index[key] = len(self._table)
@@ -93,10 +111,14 @@ class OpSites:
             del self._seqs[: LIMIT // 2]
             del self._sites[: LIMIT // 2]
 
-    def site(self, seq: int | None) -> str | None:
-        """Where message `seq` was queued, as words: "cell [7], line 4" or "train.py, line 30"."""
+    def site(self, seq: int | None, index: int | None = None) -> str | None:
+        """Where message `seq` (op `index` of a REPLAY) was queued, as words: "cell [7], line 4"
+        or "train.py, line 30"."""
         if seq is None or not self._seqs:
             return None
+        keys = self._replays.get(seq) if index is not None else None
+        if keys and 0 <= index < len(keys) and keys[index] is not None:
+            return describe(keys[index])
         k = bisect_right(self._seqs, seq) - 1
         if k < 0:
             return None

@@ -119,6 +119,7 @@ class WaitMixin:
             self.uploads.settle()
         with self.lock:
             self.check_usable()
+            self.replay.end()  # a wait ends the segment: held ops go out first
             self._drain_frees_locked()  # so a waited INFO sees memory the client already let go
             data = self._encode(msg)
             waiter.seq = self.stream.append_waited(data, waiter)
@@ -173,6 +174,7 @@ class WaitMixin:
         they were cancelled); how many messages that may be. The running op finishes."""
         try:
             with self.lock:
+                self.replay.end()
                 self.flush_locked()
                 upto = self.stream.next_seq - 1
                 queued = upto - self.stream.acked
@@ -204,7 +206,8 @@ class WaitMixin:
         naming where that op was queued when sites are recorded."""
         op, message, *rest = value
         seq = rest[0] if rest and type(rest[0]) is int and rest[0] > 0 else None
-        return RemoteError(str(op), str(message), seq, self.sites.site(seq))
+        index = rest[1] if len(rest) > 1 and type(rest[1]) is int else None  # op of a REPLAY
+        return RemoteError(str(op), str(message), seq, self.sites.site(seq, index))
 
     def note_async_error(self, waiter: Waiter) -> None:
         """Keep the first failure of a reply nobody waited for, to raise at the next wait."""

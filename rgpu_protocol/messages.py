@@ -21,7 +21,8 @@ MAX_DYNAMIC_OUTPUTS = 4096  # values one RUN_DYN may return; the client reserves
 MAX_TREE_TENSORS = 1 << 20  # tensors one LOAD may make; the client reserves this many ids
 DEFAULT_SEED = 67280421310721  # torch's own default seed: a fresh session acts like a new process
 MAX_SEQUENCES = 64  # sequence slots (DEFINE) one session holds: slot numbers 0 .. 63
-MAX_SEQUENCE_OPS = 16384  # ops in one defined sequence
+MAX_SEQUENCE_OPS = 16384  # ops in one defined sequence...
+MAX_SEQUENCE_TOTAL_OPS = 4 * MAX_SEQUENCE_OPS  # ...and in all of a session's sequences together
 
 
 class Kind(IntEnum):

@@ -27,6 +27,7 @@ import torch
 
 from rgpu_protocol import (
     MAX_SEQUENCE_OPS,
+    MAX_SEQUENCE_TOTAL_OPS,
     MAX_SEQUENCES,
     SPECS,
     Kind,
@@ -42,7 +43,6 @@ from .ops import OpRefused, resolve
 from .poison import Poison, describe
 from .state import SessionState
 
-MAX_TOTAL_OPS = 4 * MAX_SEQUENCE_OPS  # ops all of one session's sequences hold together
 _OUT, _INPUT, _PARAM = SlotKind.OUT, SlotKind.INPUT, SlotKind.PARAM
 _CONST = 3  # a CPU tensor the definition carries: a fresh copy every run, as decoding makes one
 _RUN = int(Kind.RUN)
@@ -150,8 +150,10 @@ def define(s: SessionState, seq: int, msg: list) -> None:
         raise ProtocolError("a DEFINE names tensors by slot, never by id")
     sequence = Sequence(raw_ops)
     held = sum(len(q.ops) for k, q in s.sequences.items() if k != slot)
-    if held + len(sequence.ops) > MAX_TOTAL_OPS:
-        raise ProtocolError(f"a session's sequences hold at most {MAX_TOTAL_OPS} ops together")
+    if held + len(sequence.ops) > MAX_SEQUENCE_TOTAL_OPS:
+        raise ProtocolError(
+            f"a session's sequences hold at most {MAX_SEQUENCE_TOTAL_OPS} ops together"
+        )
     s.sequences[slot] = sequence
 
 

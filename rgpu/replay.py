@@ -1,0 +1,293 @@
+"""Replayed steps: a repeated op sequence goes to the server once, then one REPLAY message runs
+each repetition (protocol.md, DEFINE and REPLAY).
+
+The stream of RUN messages is cut into *segments* at every other message (a wait, an upload, a
+seed, a compiled-graph call, ...) and at `Session.flush()`. Each segment is recorded in relative
+form (rgpu.sequences); when a segment repeats one recorded before, the two become a template.
+When a later segment starts with a template's first op, its RUNs are *held* instead of queued,
+each checked against the template (byte for byte, varying floats aside, and its output ids); held
+ops go out as one REPLAY every `flush_ops` ops, before a FREE, and when the segment ends. The
+first op that differs ends the replay: the held ops before it go out as a REPLAY of what matched,
+it and the rest of the segment as RUNs. So the server always runs exactly the ops the program
+issued, in order; a held op's output ids are the ids the client already minted.
+
+Every decision depends on the program only, never on timing: the quiet-flush thread does not
+send held ops (it would make message counts depend on when it wakes), so a client that stops
+mid-segment leaves at most `flush_ops - 1` ops unsent until its next wait, upload or flush.
+
+Interrupts: state that a REPLAY is built from changes in an order that can lose an op an
+interrupt lands in (as an interrupted RUN is lost) but never sends one twice or wrong; inputs
+and params are re-checked against the template before a REPLAY goes out, and held ops whose
+bookkeeping does not add up go out as the RUNs they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from rgpu_protocol import MAX_SEQUENCE_OPS, Kind, SlotKind, slot_ext, slot_view_ext
+
+from .sequences import MIN_OPS, Library, OpRec, Template
+from .tensor import RemoteTensor
+
+_RUN = int(Kind.RUN)
+_REPLAY = int(Kind.REPLAY)
+IDLE, RECORD, MATCH, PLAIN = 0, 1, 2, 3  # between segments; learning; replaying; sending RUNs
+BARREN_LIMIT = 4  # recorded segments in a row that taught nothing before recording backs off
+MAX_BACKOFF = 64  # segments left unrecorded at most, between recordings, when nothing repeats
+
+
+class Replayer:
+    """One session's replayed sequences: learning, holding, and sending REPLAY messages."""
+
+    def __init__(self, session: Any, hook: Callable[[Any], Any], enabled: bool) -> None:
+        """`session` queues messages (`queue_locked`); `hook` encodes what msgpack does not know."""
+        self.session = session
+        self.on = enabled
+        self.flush_ops = session.config.flush_ops
+        self.library = Library(max_define_bytes=session.max_message // 2)
+        self._hook = hook
+        self._pack = msgpack.Packer(default=self._relative, use_bin_type=True, autoreset=True).pack
+        self._out_exts: list = []
+        self._in_exts: list = []
+        # counters (rgpu.stats()["replayed_ops"] and the benchmarks)
+        self.replayed_ops = 0  # ops that went out inside REPLAY messages
+        self.defines = 0
+        self.fallbacks = 0  # replays a differing op ended
+        self.segments = 0
+        self._quiet_until = 0  # backoff: segments before this one are not recorded
+        self._backoff = 0
+        self._barren = 0
+        self.sent = False  # a REPLAY went out during the last `take`
+        self._reset()
+
+    def _reset(self) -> None:
+        self.mode = IDLE
+        self.base: int | None = None  # the segment's first output id: ids are offsets from it
+        self.max_off = -1  # the highest output offset so far (larger ids are inputs)
+        self.ext_ids: list[int] = []  # the segment's inputs, in order of first use
+        self.ext_index: dict[int, int] = {}
+        self.rec: list[OpRec] | None = None  # the recording, while learning
+        self.t: Template | None = None  # the template being followed
+        self.a = 0  # its first op not sent yet
+        self.held: list = []  # (message, params or None, site) per held op
+        self.inputs_sent = 0
+
+    # -- the relative form ----------------------------------------------------------------
+
+    def _relative(self, obj: Any) -> Any:
+        """msgpack hook: a tensor as a slot of the segment (an output or an input), not an id."""
+        if type(obj) is not RemoteTensor:
+            return self._hook(obj)
+        h = obj._r
+        b = h.base
+        tid = h.id if b is None else b.id
+        base = self.base
+        if base is not None and 0 <= tid - base <= self.max_off:
+            kind, index = SlotKind.OUT, tid - base
+            exts = self._out_exts
+        else:
+            index = self.ext_index.get(tid)
+            if index is None:  # a new input: listed first, so an interrupt can only renumber
+                ids = self.ext_ids
+                ids.append(tid)
+                index = len(ids) - 1
+                self.ext_index[tid] = index
+            kind = SlotKind.INPUT
+            exts = self._in_exts
+        if b is not None:
+            return slot_view_ext(kind, index, h.ext.data[8:])
+        while len(exts) <= index:
+            exts.append(slot_ext(kind, len(exts)))
+        return exts[index]
+
+    def _rel(self, msg: tuple) -> bytes:
+        if len(msg) == 5:
+            return self._pack((msg[1], msg[2], msg[3]))
+        return self._pack((msg[1], msg[2], msg[3], msg[5]))
+
+    def _offsets(self, outs: list) -> tuple | None:
+        """Output ids as offsets from the segment's first (None: an id before it)."""
+        offs = []
+        for o in outs:
+            if o is None:
+                offs.append(None)
+                continue
+            if self.base is None:
+                self.base = o
+            off = o - self.base
+            if off < 0:
+                return None
+            offs.append(off)
+        return tuple(offs)
+
+    # -- the hot path ---------------------------------------------------------------------
+
+    def take(self, msg: tuple) -> bool:
+        """Session.post's hook (lock held): True when the message is held for a REPLAY; False
+        when it is to be queued as it is (a message of another kind ends the segment)."""
+        self.sent = False
+        if msg[0] != _RUN:
+            if self.mode != IDLE:
+                self.end()
+            return False
+        mode = self.mode
+        if mode == PLAIN:
+            if self.rec is not None:
+                self._record(msg, None)
+            return False
+        try:
+            rel = self._rel(msg)
+        except Exception:  # unsendable: the RUN's own encoding raises it on the user's line
+            self.cut()
+            self.mode, self.rec = PLAIN, None
+            return False
+        if mode == IDLE:
+            self.segments += 1
+            group = self.library.candidates(rel)
+            if group:
+                self.mode, self.t = MATCH, group[0]
+            elif self.segments >= self._quiet_until:
+                self.mode, self.rec = RECORD, []
+            else:
+                self.mode = PLAIN
+                return False
+        if self.mode == MATCH:
+            return self._match(msg, rel)
+        self._record(msg, rel)
+        return False
+
+    def _fits(self, op: OpRec, msg: tuple, rel: bytes) -> bool:
+        if not (rel == op.rel or (op.mask and op.same(rel))):
+            return False
+        if len(self.ext_ids) != op.ninputs:
+            return False
+        outs = msg[4]
+        want = op.outs
+        if len(outs) != len(want):
+            return False
+        base = self.base
+        for o, w in zip(outs, want):
+            if o is None or w is None:
+                if o is not w:
+                    return False
+            elif base is None:
+                if w != 0:
+                    return False
+                self.base = base = o
+            elif o - base != w:
+                return False
+        return True
+
+    def _match(self, msg: tuple, rel: bytes) -> bool:
+        t = self.t
+        j = self.a + len(self.held)
+        if j >= len(t.ops) or not self._fits(t.ops[j], msg, rel):
+            for u in self.library.switch(t, j):  # a template sharing what was held goes on
+                if self._fits(u.ops[j], msg, rel):
+                    self.t = t = u
+                    break
+            else:
+                self._diverge(msg, rel, j)
+                return False
+        op = t.ops[j]
+        site = self.session.sites.here() if self.session.record_sites else None
+        self.held.append((msg, op.params(rel) if op.mask else None, site))  # the commit
+        for w in op.outs:
+            if w is not None and w > self.max_off:
+                self.max_off = w
+        if len(self.held) >= self.flush_ops:
+            self.cut()
+        return True
+
+    def _diverge(self, msg: tuple, rel: bytes, j: int) -> None:
+        """An op differs from the template: what matched goes out, then RUNs (recorded)."""
+        self.cut()
+        self.fallbacks += 1
+        t = self.t
+        self.mode = PLAIN
+        self.rec = list(t.ops[:j]) if self.segments >= self._quiet_until else None
+        if self.rec is not None:
+            self._record(msg, rel)
+
+    def _record(self, msg: tuple, rel: bytes | None) -> None:
+        rec = self.rec
+        try:
+            if rel is None:
+                rel = self._rel(msg)
+            offs = self._offsets(msg[4])
+        except Exception:
+            offs = None
+        if offs is None or len(rec) >= MAX_SEQUENCE_OPS:
+            self.rec = None
+            return
+        rec.append(OpRec(rel, offs, len(self.ext_ids)))
+        for w in offs:
+            if w is not None and w > self.max_off:
+                self.max_off = w
+
+    # -- sending --------------------------------------------------------------------------
+
+    def cut(self) -> None:
+        """Send the held ops (lock held): one REPLAY, after the DEFINE if the server lacks it."""
+        held = self.held
+        if not held:
+            return
+        t = self.t
+        a = self.a
+        j = a + len(held)
+        need = t.ops[j - 1].ninputs
+        inputs = self.ext_ids[self.inputs_sent : need]
+        params = [x for _, p, _ in held if p for x in p]
+        self.held = []  # first: an interrupt from here on loses these ops, never sends them twice
+        self.a = j
+        self.inputs_sent = need
+        if len(inputs) != need - (t.ops[a - 1].ninputs if a else 0) or len(params) != sum(
+            len(op.mask) for op in t.ops[a:j]
+        ):  # bookkeeping an interrupt broke: the held ops go as RUNs, the segment too
+            self.mode, self.rec = PLAIN, None
+            for msg, _, _ in held:
+                self.session.queue_locked(msg)
+            return
+        sess = self.session
+        if not t.defined:
+            define = t.define_message()
+            sess.queue_locked(define)
+            t.defined = True  # after: a DEFINE sent twice is harmless, a missing one is not
+            self.defines += 1
+        sites = [s for _, _, s in held] if sess.record_sites else None
+        sess.queue_locked((_REPLAY, t.slot, a, j, self.base or 0, inputs, params), sites=sites)
+        sess.flush_locked()
+        self.replayed_ops += j - a
+        self.sent = True
+        self.library.used(t)
+
+    def end(self) -> None:
+        """The segment ends (lock held): send what is held; learn from what was recorded."""
+        mode = self.mode
+        if mode == IDLE:
+            return
+        if mode == MATCH:
+            self.cut()
+            self._barren = 0
+            self._backoff = 0
+        elif self.rec is not None and len(self.rec) >= MIN_OPS:
+            if self.library.learn(self.rec):
+                self._barren = self._backoff = 0
+            else:
+                self._barren += 1
+                if self._barren >= BARREN_LIMIT:  # nothing repeats: record less often
+                    self._barren = 0
+                    self._backoff = min(max(2 * self._backoff, 1), MAX_BACKOFF)
+                    self._quiet_until = self.segments + self._backoff
+        self._reset()
+
+    def set_enabled(self, on: bool) -> None:
+        """Turn replaying on or off (`rgpu.settings.replay`); what is held goes out first."""
+        with self.session.lock:
+            if not on:
+                self.end()
+            self.on = on
