@@ -15,10 +15,13 @@ Every decision depends on the program only, never on timing: the quiet-flush thr
 send held ops (it would make message counts depend on when it wakes), so a client that stops
 mid-segment leaves at most `flush_ops - 1` ops unsent until its next wait, upload or flush.
 
+Held RUNs are not kept (their tensors may die meanwhile, as with RUNs already queued): a FREE
+first sends the held ops, which may name the ids it frees.
+
 Interrupts: state that a REPLAY is built from changes in an order that can lose an op an
-interrupt lands in (as an interrupted RUN is lost) but never sends one twice or wrong; inputs
-and params are re-checked against the template before a REPLAY goes out, and held ops whose
-bookkeeping does not add up go out as the RUNs they are.
+interrupt lands in (as an interrupted RUN is lost) but never sends one twice or wrong: each held
+op is committed by one list append, inputs are numbered only after they are listed, and inputs
+and params are re-checked against the template before a REPLAY goes out.
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ class Replayer:
         self.rec: list[OpRec] | None = None  # the recording, while learning
         self.t: Template | None = None  # the template being followed
         self.a = 0  # its first op not sent yet
-        self.held: list = []  # (message, params or None, site) per held op
+        self.held: list = []  # per held op: its varying floats, or None (appended: the commit)
+        self.held_sites: list = []  # per held op: where it was queued (rgpu.settings.op_sites)
         self.inputs_sent = 0
 
     # -- the relative form ----------------------------------------------------------------
@@ -140,11 +144,37 @@ class Replayer:
                 self._record(msg, None)
             return False
         try:
-            rel = self._rel(msg)
+            rel = self._pack((msg[1], msg[2], msg[3]) if len(msg) == 5 else (*msg[1:4], msg[5]))
         except Exception:  # unsendable: the RUN's own encoding raises it on the user's line
             self.cut()
             self.mode, self.rec = PLAIN, None
             return False
+        if mode == MATCH:  # the hot path: the template's next op, one output, no parameter
+            held = self.held
+            ops = self.t.ops
+            j = self.a + len(held)
+            base = self.base
+            if j < len(ops) and base is not None:
+                op = ops[j]
+                outs = msg[4]
+                if (
+                    rel == op.rel
+                    and len(outs) == 1
+                    and len(self.ext_ids) == op.ninputs
+                    and not op.mask
+                ):
+                    o, w = outs[0], op.outs
+                    if len(w) == 1 and (o - base == w[0] if o is not None else w[0] is None):
+                        if self.session.record_sites:
+                            self.held_sites.append(self.session.sites.here())
+                        held.append(None)  # the commit
+                        w = w[0]
+                        if w is not None and w > self.max_off:
+                            self.max_off = w
+                        if len(held) >= self.flush_ops:
+                            self.cut()
+                        return True
+            return self._match(msg, rel)
         if mode == IDLE:
             self.segments += 1
             group = self.library.candidates(rel)
@@ -194,8 +224,9 @@ class Replayer:
                 self._diverge(msg, rel, j)
                 return False
         op = t.ops[j]
-        site = self.session.sites.here() if self.session.record_sites else None
-        self.held.append((msg, op.params(rel) if op.mask else None, site))  # the commit
+        if self.session.record_sites:
+            self.held_sites.append(self.session.sites.here())
+        self.held.append(op.params(rel) if op.mask else None)  # the commit
         for w in op.outs:
             if w is not None and w > self.max_off:
                 self.max_off = w
@@ -241,16 +272,16 @@ class Replayer:
         j = a + len(held)
         need = t.ops[j - 1].ninputs
         inputs = self.ext_ids[self.inputs_sent : need]
-        params = [x for _, p, _ in held if p for x in p]
+        params = [x for p in held if p for x in p]
+        sites = self.held_sites[: len(held)]
         self.held = []  # first: an interrupt from here on loses these ops, never sends them twice
+        self.held_sites = []
         self.a = j
         self.inputs_sent = need
         if len(inputs) != need - (t.ops[a - 1].ninputs if a else 0) or len(params) != sum(
             len(op.mask) for op in t.ops[a:j]
-        ):  # bookkeeping an interrupt broke: the held ops go as RUNs, the segment too
+        ):  # bookkeeping an interrupt broke: those ops are lost (as interrupted RUNs are)
             self.mode, self.rec = PLAIN, None
-            for msg, _, _ in held:
-                self.session.queue_locked(msg)
             return
         sess = self.session
         if not t.defined:
@@ -258,7 +289,7 @@ class Replayer:
             sess.queue_locked(define)
             t.defined = True  # after: a DEFINE sent twice is harmless, a missing one is not
             self.defines += 1
-        sites = [s for _, _, s in held] if sess.record_sites else None
+        sites = sites if sess.record_sites and len(sites) == len(held) else None
         sess.queue_locked((_REPLAY, t.slot, a, j, self.base or 0, inputs, params), sites=sites)
         sess.flush_locked()
         self.replayed_ops += j - a

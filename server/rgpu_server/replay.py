@@ -54,7 +54,7 @@ class SeqOp:
     """One op of a sequence, prepared: its resolved operator and where the run's values go."""
 
     __slots__ = ("name", "resolved", "args", "kwargs", "fills", "copies", "outs", "expect",
-                 "nparams", "ninputs", "fast", "single")  # fmt: skip
+                 "nparams", "ninputs", "fast", "single", "simple")  # fmt: skip
 
     def __init__(self, raw: Any) -> None:
         if type(raw) is not list or len(raw) != 5:
@@ -99,6 +99,11 @@ class SeqOp:
         r = self.resolved
         self.fast = r is not None and r.plain and expect is None
         self.single = len(outs) == 1 and outs[0] is not None
+        # the common op: plain, tensors by id straight in args (no views, lists or scalars)
+        self.simple = None
+        if self.fast and all(f[0] == 0 and f[2] < 0 and f[3] <= _INPUT and f[5] is None
+                             for f in self.fills):  # fmt: skip
+            self.simple = tuple((f[1], f[3], f[4]) for f in self.fills)
 
     def _fill(self, where: int, key: Any, k: int, value: Any, params: list) -> bool:
         t = type(value)
@@ -228,6 +233,10 @@ def _build(s: SessionState, op: SeqOp, base: int, inputs: list, params: list, p:
     return args, kwargs, bad, made
 
 
+def _outs(op: SeqOp, base: int) -> list:
+    return [None if o is None else base + o for o in op.outs]
+
+
 def _message(op: SeqOp, args: list, kwargs: Any, outs: list) -> list:
     """The RUN this op stands for."""
     kw = dict(kwargs) if kwargs else kwargs  # `execute.call` may add a generator to it
@@ -242,6 +251,7 @@ def replay(s: SessionState, seq: int, msg: list) -> None:
     ops = sequence.ops
     tensors = s.tensors
     stream = s.stream
+    plain = s.quota is None
     p = 0
     try:
         for j in range(start, stop):
@@ -250,13 +260,36 @@ def replay(s: SessionState, seq: int, msg: list) -> None:
                 return
             op = ops[j]
             s.replay_index = j - start
+            simple = op.simple
+            if simple is not None and plain:  # the hot path, as execute.run's
+                args = op.args.copy()
+                for pos, kind, index in simple:
+                    t = tensors.get(base + index if kind == _OUT else inputs[index])
+                    if t is None or type(t) is Poison:
+                        break
+                    args[pos] = t
+                else:
+                    resolved = op.resolved
+                    kwargs = op.kwargs
+                    try:
+                        result = resolved.call(*args, **kwargs) if kwargs else resolved.call(*args)
+                    except Exception as e:
+                        s.refs = {id(args[pos]): base + i if k == _OUT else inputs[i]
+                                  for pos, k, i in simple}  # fmt: skip
+                        written = s.written_ids(resolved, args, kwargs)
+                        s.refs = {}
+                        s.fail(resolved.label, describe(e), [*_outs(op, base), *written])
+                        continue
+                    s.ops_run += 1
+                    if op.single and type(result) is torch.Tensor:
+                        tensors[base + op.outs[0]] = result
+                    else:
+                        store(s, resolved, _NO_EXPECT, _outs(op, base), result)
+                    continue
             args, kwargs, bad, made = _build(s, op, base, inputs, params, p)
             p += op.nparams
-            if op.single:
-                outs = [base + op.outs[0]]
-            else:
-                outs = [None if o is None else base + o for o in op.outs]
-            if bad is None and op.fast and s.quota is None:  # execute.run's hot path
+            outs = _outs(op, base)
+            if bad is None and op.fast and plain:
                 resolved = op.resolved
                 try:
                     result = resolved.call(*args, **kwargs) if kwargs else resolved.call(*args)
@@ -290,7 +323,7 @@ def _cancel_ops(
     for op in ops:
         args, kwargs, bad, made = _build(s, op, base, inputs, params, p)
         p += op.nparams
-        outs = [None if o is None else base + o for o in op.outs]
+        outs = _outs(op, base)
         s.refs = {id(t): tid for t, tid in made}
         try:
             cancel_message(s, seq, _RUN_SPEC, _message(op, args, kwargs, outs))
