@@ -5,9 +5,10 @@ An op is recorded as its *relative* form: the msgpack bytes of `(op, args, kwarg
 with every tensor named by its place in the segment (`Slot`s: an output of an earlier op of the
 segment, or the segment's n-th input) instead of by id, plus its outputs' id offsets. Two
 segments whose ops have the same relative forms are the same computation on (possibly) other
-inputs. Floats may differ between them (AdamW's step sizes change every step): `merge` finds the
-float64 items whose value differs and makes them the template's parameters, compared by the
-bytes around them from then on. Everything else must be byte for byte the same.
+inputs. Scalars may differ between them (AdamW's step sizes change every step; `x * lr` sends
+`lr` as a 0-dim CPU tensor): `merge` finds the float64 items and inline 0-dim tensors whose value
+differs and makes them the template's parameters, compared by the bytes around them from then on.
+Everything else must be byte for byte the same.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ GROUP = 4  # templates kept per first op (a training step and an evaluation step
 RECENT = 16  # recordings kept, waiting for a second alike one
 _F64 = struct.Struct(">d")
 _FLOAT64 = 0xCB  # msgpack's float 64 marker: the byte, then 8 bytes big-endian
+_EXT_HEADER = {0xD4: 2, 0xD5: 2, 0xD6: 2, 0xD7: 2, 0xD8: 2, 0xC7: 3, 0xC8: 4, 0xC9: 6}
 
 
 class OpRec:
     """One op as recorded: relative form, output offsets, inputs of the segment so far, and the
-    byte offsets of float64 items that vary (a template's parameters)."""
+    scalars that vary (a template's parameters), as `scalar_items` gives them."""
 
     __slots__ = ("rel", "outs", "ninputs", "mask", "pieces")
 
@@ -50,9 +52,9 @@ class OpRec:
         self.mask = mask
         pieces = []
         start = 0
-        for o in mask:  # the bytes between varying floats, marker bytes included
-            pieces.append((start, rel[start : o + 1]))
-            start = o + 9
+        for _, begin, end in mask:  # the bytes around varying values, their headers included
+            pieces.append((start, rel[start:begin]))
+            start = end
         pieces.append((start, rel[start:]))
         self.pieces = tuple(pieces)
 
@@ -65,22 +67,29 @@ class OpRec:
                 return False
         return True
 
-    def params(self, rel: bytes) -> list[float]:
-        return [_F64.unpack_from(rel, o + 1)[0] for o in self.mask]
+    def params(self, rel: bytes) -> list:
+        """This op's varying values in `rel`: floats, and 0-dim CPU tensors as their ext."""
+        return [
+            _F64.unpack_from(rel, begin)[0]
+            if rel[o] == _FLOAT64
+            else msgpack.ExtType(EXT_HOST, rel[begin - 2 : end])
+            for o, begin, end in self.mask
+        ]
 
     def key(self) -> tuple:
         return (self.rel if not self.mask else self.pieces, self.outs, self.ninputs, self.mask)
 
 
-def float_offsets(data: bytes) -> list[int]:
-    """Offsets of the float64 items of a msgpack value, in order (a small msgpack walker)."""
+def scalar_items(data: bytes) -> list[tuple[int, int, int]]:
+    """(item offset, value start, value end) of each float64 and each inline 0-dim CPU tensor
+    (EXT_HOST of ndim 0: its bytes after dtype and ndim) of a msgpack value, in order."""
     found = []
     i = 0
     todo = 1
     u16 = struct.Struct(">H").unpack_from
     u32 = struct.Struct(">I").unpack_from
     fixed = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2,
-             0xD1: 3, 0xD2: 5, 0xD3: 9, 0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18}  # fmt: skip
+             0xD1: 3, 0xD2: 5, 0xD3: 9}  # fmt: skip
     while todo:
         todo -= 1
         t = data[i]
@@ -95,8 +104,20 @@ def float_offsets(data: bytes) -> list[int]:
         elif t <= 0xBF:
             i += 1 + (t & 0x1F)
         elif t == _FLOAT64:
-            found.append(i)
+            found.append((i, i + 1, i + 9))
             i += 9
+        elif t in _EXT_HEADER:  # ext: fixext 1..16, ext 8, 16, 32
+            head = _EXT_HEADER[t]
+            if t >= 0xD4:
+                n = 1 << (t - 0xD4)
+            elif t == 0xC7:
+                n = data[i + 1]
+            else:
+                n = (u16 if t == 0xC8 else u32)(data, i + 1)[0]
+            start = i + head
+            if data[start - 1] == EXT_HOST and n >= 2 and data[start + 1] == 0:
+                found.append((i, start + 2, start + n))
+            i = start + n
         elif t in fixed:
             i += fixed[t]
         elif t in (0xC4, 0xD9):  # bin 8, str 8
@@ -105,12 +126,6 @@ def float_offsets(data: bytes) -> list[int]:
             i += 3 + u16(data, i + 1)[0]
         elif t in (0xC6, 0xDB):
             i += 5 + u32(data, i + 1)[0]
-        elif t == 0xC7:  # ext 8, 16, 32
-            i += 3 + data[i + 1]
-        elif t == 0xC8:
-            i += 4 + u16(data, i + 1)[0]
-        elif t == 0xC9:
-            i += 6 + u32(data, i + 1)[0]
         elif t == 0xDC:  # array 16, 32; map 16, 32
             todo += u16(data, i + 1)[0]
             i += 3
@@ -128,8 +143,20 @@ def float_offsets(data: bytes) -> list[int]:
     return found
 
 
+def lookup_key(rel: bytes) -> bytes:
+    """A segment's first op as a lookup key: its relative form with every scalar's value
+    zeroed, so a first op whose scalars vary still finds its templates."""
+    items = scalar_items(rel)
+    if not items:
+        return rel
+    key = bytearray(rel)
+    for _, begin, end in items:
+        key[begin:end] = bytes(end - begin)
+    return bytes(key)
+
+
 def _merge_op(a: OpRec, b: OpRec) -> OpRec | None:
-    """`b` with the floats that differ from `a` (or varied before) as parameters; None when
+    """`b` with the scalars that differ from `a` (or varied before) as parameters; None when
     they differ in anything else."""
     if a.outs != b.outs or a.ninputs != b.ninputs:
         return None
@@ -139,12 +166,13 @@ def _merge_op(a: OpRec, b: OpRec) -> OpRec | None:
         return None
     varying = set(a.mask) | set(b.mask)
     start = 0
-    for o in float_offsets(b.rel):
-        if a.rel[start : o + 1] != b.rel[start : o + 1]:
+    for item in scalar_items(b.rel):
+        _, begin, end = item
+        if a.rel[start:begin] != b.rel[start:begin]:
             return None
-        if o in varying or a.rel[o + 1 : o + 9] != b.rel[o + 1 : o + 9]:
-            varying.add(o)
-        start = o + 9
+        if item in varying or a.rel[begin:end] != b.rel[begin:end]:
+            varying.add(item)
+        start = end
     if a.rel[start:] != b.rel[start:]:
         return None
     return OpRec(b.rel, b.outs, b.ninputs, tuple(sorted(varying)))
@@ -178,9 +206,10 @@ def _depth_ok(value: Any, depth: int) -> bool:
 class Template:
     """A learned sequence: its ops, its slot on the server, whether the server has it yet."""
 
-    def __init__(self, slot: int, ops: list[OpRec]) -> None:
+    def __init__(self, slot: int, ops: list[OpRec], key: bytes = b"") -> None:
         self.slot = slot
         self.ops = ops
+        self.key = key  # lookup_key of its first op
         self.defined = False  # DEFINE is sent before its first REPLAY
         self.cpl: dict[int, int] = {}  # slot of another template of the group -> shared ops
 
@@ -192,9 +221,9 @@ class Template:
             if op.mask:
                 parts = []
                 start = 0
-                for k, o in enumerate(op.mask):
+                for k, (o, _, end) in enumerate(op.mask):
                     parts += [data[start:o], msgpack.packb(slot_ext(SlotKind.PARAM, k))]
-                    start = o + 9
+                    start = end
                 data = b"".join(parts) + data[start:]
             fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
             if not all(_depth_ok(v, 0) for v in (fields[1], fields[2])):
@@ -220,14 +249,16 @@ class Library:
     def __init__(self, max_define_bytes: int) -> None:
         self.max_define_bytes = max_define_bytes
         self.groups: dict[bytes, list[Template]] = {}  # most recently used first
-        self.recent: collections.OrderedDict[bytes, list[OpRec]] = collections.OrderedDict()
+        # recordings waiting for a twin, by first op and length (segments that start alike)
+        self.recent: collections.OrderedDict[tuple, list[OpRec]] = collections.OrderedDict()
         self.by_slot: collections.OrderedDict[int, Template] = collections.OrderedDict()  # LRU
 
-    def candidates(self, key: bytes) -> list[Template] | None:
-        return self.groups.get(key)
+    def candidates(self, rel: bytes) -> list[Template] | None:
+        """The templates a segment whose first op is `rel` may follow, most recently used first."""
+        return self.groups.get(lookup_key(rel))
 
     def used(self, t: Template) -> None:
-        group = self.groups.get(t.ops[0].rel)
+        group = self.groups.get(t.key)
         if group and group[0] is not t and t in group:
             group.remove(t)
             group.insert(0, t)
@@ -236,12 +267,12 @@ class Library:
 
     def switch(self, t: Template, j: int) -> list[Template]:
         """Other templates of `t`'s group that share its first `j` ops and go on past them."""
-        group = self.groups.get(t.ops[0].rel) or ()
+        group = self.groups.get(t.key) or ()
         return [u for u in group if u is not t and t.cpl.get(u.slot, 0) >= j and len(u.ops) > j]
 
     def learn(self, rec: list[OpRec]) -> bool:
         """Take a finished segment's recording; True if it matched or made a template."""
-        key = rec[0].rel
+        key = lookup_key(rec[0].rel)
         group = self.groups.get(key, [])
         for t in group:
             merged = merge(t.ops, rec)
@@ -249,11 +280,11 @@ class Library:
                 if any(m.mask != o.mask for m, o in zip(merged, t.ops)):
                     self._add(key, merged, replacing=t)  # more floats vary than it knew
                 return True
-        prev = self.recent.pop(key, None)
+        prev = self.recent.pop((key, len(rec)), None)
         merged = merge(prev, rec) if prev is not None else None
-        if merged is not None and not merged[0].mask:  # the first op is the lookup key
+        if merged is not None:
             return self._add(key, merged)
-        self.recent[key] = rec
+        self.recent[key, len(rec)] = rec
         while len(self.recent) > RECENT:
             self.recent.popitem(last=False)
         return False
@@ -274,7 +305,7 @@ class Library:
         slot = replacing.slot if replacing is not None else min(
             set(range(MAX_SEQUENCES)) - set(self.by_slot)
         )  # fmt: skip
-        t = Template(slot, ops)
+        t = Template(slot, ops, key)
         define = t.define_message()
         if define is None or len(msgpack.packb(define)) > self.max_define_bytes:
             return False
@@ -287,7 +318,7 @@ class Library:
 
     def _drop(self, t: Template) -> None:
         self.by_slot.pop(t.slot, None)
-        key = t.ops[0].rel
+        key = t.key
         group = self.groups.get(key, [])
         if t in group:
             group.remove(t)

@@ -19,7 +19,7 @@ from rgpu_server.quota import Quota
 from rgpu_server.session import Session
 
 import rgpu_protocol as p
-from rgpu.sequences import OpRec, float_offsets, merge
+from rgpu.sequences import OpRec, merge, scalar_items
 
 ENCODE = p.Encoder().encode
 
@@ -204,6 +204,7 @@ def test_a_replayed_sequence_computes_what_its_runs_compute():
         ["mul.Tensor", [T(107), host(torch.tensor([2.0, 3.0, 4.0, 5.0]))], None, [108]],
         ["sum.dim_IntList", [T(101, ((4,), (1,), 4)), [0]], {"keepdim": True}, [109]],
         ["clone.default", [T(104)], {"memory_format": torch.contiguous_format}, [110]],
+        ["mul.Tensor", [T(110), F(host(torch.tensor(0.5, dtype=torch.float64)))], None, [111]],
     ]
     assert_same(*run_both(program, X))
     assert_same(*run_both(program, X, parts=[3, 7, len(program)]))  # in three REPLAYs
@@ -317,11 +318,14 @@ plain_values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(plain_values)
-def test_the_float_walker_finds_every_float64_of_a_message(value):
-    data = msgpack.packb(value, use_bin_type=True)
-    offsets = float_offsets(data)
-    assert all(data[o] == 0xCB for o in offsets)
+@given(plain_values, st.lists(st.floats(width=32) | st.integers(-5, 5), max_size=4))
+def test_the_walker_finds_every_float_and_scalar_tensor_of_a_message(value, scalars):
+    encode = p.Encoder().encode
+    hosts = [p.HostData(torch.float32 if type(v) is float else torch.int64, (),
+                        torch.tensor(v).numpy().tobytes()) for v in scalars]  # fmt: skip
+    hosts.append(p.HostData(torch.float32, (2,), bytes(8)))  # not 0-dim: structure
+    data = encode([value, hosts])
+    items = scalar_items(data)
 
     def count(v):
         if isinstance(v, float):
@@ -332,7 +336,12 @@ def test_the_float_walker_finds_every_float64_of_a_message(value):
             return sum(count(x) for x in v.values())
         return 0
 
-    assert len(offsets) == count(value)
+    assert len(items) == count(value) + len(scalars)
+    floats = [i for i in items if data[i[0]] == 0xCB]
+    assert all(end - begin == 8 for _, begin, end in floats)
+    tensors = items[len(floats) :]
+    for (_, begin, end), h in zip(tensors, hosts):
+        assert data[begin:end] == h.data
 
 
 def test_two_recordings_merge_into_a_template_whose_floats_vary():
@@ -342,6 +351,12 @@ def test_two_recordings_merge_into_a_template_whose_floats_vary():
 
     merged = merge(rec(0.1, 2), rec(0.2, 2))
     assert [len(op.mask) for op in merged] == [1, 0]
+    lr = p.HostData(torch.float64, (), torch.tensor(0.5, dtype=torch.float64).numpy().tobytes())
+    host = OpRec(p.Encoder().encode(["mul.Tensor", [1, lr], None]), (0,), 1)
+    lr2 = p.HostData(torch.float64, (), torch.tensor(0.25, dtype=torch.float64).numpy().tobytes())
+    host2 = OpRec(p.Encoder().encode(["mul.Tensor", [1, lr2], None]), (0,), 1)
+    (op,) = merge([host], [host2])
+    assert op.params(host.rel) == [msgpack.ExtType(6, p.host_ext(torch.float64, (), lr.data).data)]
     assert merged[0].same(rec(0.3, 2)[0].rel) and merged[0].params(rec(0.3, 2)[0].rel) == [0.3]
     assert merge(rec(0.1, 2), rec(0.1, 3)) is None  # ints are structure, never parameters
     assert merge(rec(0.1, 2), rec(0.1, 2)[:1]) is None
