@@ -195,8 +195,12 @@ def test_idle_exit_waits_less_for_a_first_client_that_never_comes():
     `first` seconds rather than the whole idle time."""
     from rgpu_server import idle
 
+    class Registry:
+        def sessions(self) -> list:
+            return []
+
     class Server:
-        sessions: dict = {}
+        registry = Registry()
         stopped_at = None
 
         def stop(self):
