@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from report_more import section_ab, section_files, section_hf
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -35,6 +37,9 @@ SUITE: dict[str, tuple[str, list[str]]] = {
     "training": ("ours", ["bench_training.py"]),
     "compile": ("ours", ["bench_compile.py", "--repeats", "3"]),
     "latency": ("ours", ["bench_latency.py", "--compression"]),
+    "files": ("ours", ["bench_files.py"]),
+    "hf": ("ours", ["bench_hf.py"]),
+    "ab": ("ours", ["ab_per_op.py", "7b6ef75", "HEAD", "--rounds", "3"]),
     "published-core": ("published", ["bench_published.py"]),
     "published-latency": ("published", ["bench_latency.py", "--published", "--steps", "3"]),
 }
@@ -320,6 +325,10 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
         png = plot_latency(lat, published, plots)
         link = os.path.relpath(png, out.parent)
         lines += section_latency(lat, published, link)
+    for name, section in (("files", section_files), ("hf", section_hf), ("ab", section_ab)):
+        doc = load(name)
+        if doc:
+            lines += section(doc)
     notes = HERE / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]

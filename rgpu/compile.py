@@ -26,7 +26,6 @@ from rgpu_protocol import (
     Kind,
     NodeRef,
     NodeTag,
-    TensorMeta,
     ref_ext,
 )
 
@@ -104,8 +103,7 @@ def serialize(gm: torch.fx.GraphModule) -> list:
         elif node.op == "output":
             outs = node.args[0]
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-            layouts = [_layout(v) for v in _output_values(node)]
-            nodes.append([NodeTag.OUTPUT, _encode_arg(outs, index), layouts])
+            nodes.append([NodeTag.OUTPUT, _encode_arg(outs, index)])
         else:
             raise Unshippable(f"it has a {node.op} node ({node.target})")
         index[node] = len(index)
@@ -138,17 +136,6 @@ def _constant(gm: torch.fx.GraphModule, name: str) -> HostData:
         data = value.detach().contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
     return HostData(data.dtype, tuple(data.shape), raw)
-
-
-def _layout(value: Any) -> TensorMeta | None:
-    """The layout traced for an output, which the server's result must have."""
-    if not isinstance(value, torch.Tensor) or any(
-        isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())
-    ):
-        return None
-    return TensorMeta(
-        value.dtype, tuple(value.shape), tuple(value.stride()), int(value.storage_offset())
-    )
 
 
 def _output_values(output_node: torch.fx.Node) -> list:
