@@ -15,7 +15,7 @@ from typing import Any
 from rgpu_protocol import Kind, Status, cancel_frame
 from rgpu_protocol.client_stream import Acked, Data, Failed, Reply
 
-from .errors import ProtocolViolation, RemoteError, RgpuError
+from .errors import ProtocolViolation, RemoteError, RgpuError, shown_briefly
 from .peek import PEEK_REPLY
 from .progress import TransferProgress
 
@@ -160,6 +160,7 @@ class WaitMixin:
         except KeyboardInterrupt as e:  # Ctrl-C: stop waiting, and stop the server's queued work
             waiter.abandoned = True
             self.interrupted(e)
+            shown_briefly(e)  # in IPython: the user's lines, not rgpu's and torch's, and the note
             raise
         except BaseException:
             waiter.abandoned = True
