@@ -81,6 +81,7 @@ def register() -> None:
     plans.SPECIAL.update(special_ops.HANDLERS)
     _setup_privateuseone_for_python_backend(tensor.DEVICE_TYPE, backend_module=device_module.module)
     tensor.DEVICE = torch.device(tensor.DEVICE_TYPE, 0)
+    tensor.DEVICES = [tensor.DEVICE]
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
     for op in _factory_overloads():
