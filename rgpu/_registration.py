@@ -22,6 +22,7 @@ from . import (
     compile,
     device_module,
     dispatch,
+    distributed,
     host_memory,
     plans,
     special_ops,
@@ -90,6 +91,7 @@ def register() -> None:
     lib.impl("_copy_from_and_resize", special_ops.copy_from_and_resize, "PrivateUse1")
     autocast.install()
     host_memory.install()
+    distributed.install()
     attention.install(lib)
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt

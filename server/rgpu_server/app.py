@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import secrets
 import http
 import logging
+import secrets
 import ssl
 import time
 from dataclasses import dataclass, field
