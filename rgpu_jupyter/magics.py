@@ -97,10 +97,10 @@ class RgpuMagics(Magics, Configurable):
     )
     @argument(
         "target",
-        nargs="?",
+        nargs="*",
         default=None,
         help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST, slurm://USER@LOGIN or "
-        "local; for ls: a folder; for drop: a session name",
+        "local (several: one device list); for ls: a folder; for drop: a session name",
     )
     @argument(
         "--token", default=None, help="for connect: the server's token (default: $RGPU_TOKEN)"
@@ -115,8 +115,9 @@ class RgpuMagics(Magics, Configurable):
     def rgpu(self, line: str, cell: str | None = None) -> Any:
         """Use a remote GPU from this notebook, and see what each cell costs it.
 
-        %rgpu connect [URL | local] [--token T]
-            Connect (same rules as rgpu.connect: no URL means $RGPU_SERVER, else an embedded
+        %rgpu connect [URL ... | local] [--token T]
+            Connect (same rules as rgpu.connect: several URLs make one device list, the first
+            server's devices numbered first; no URL means $RGPU_SERVER, else an embedded
             local server; ssh://user@host tunnels over SSH, starting a server there if none
             runs; slurm://user@login?partition=gpu&gres=gpu:1&time=2:00:00 runs the server as a
             Slurm job, printing its state while it waits (interrupt the kernel to cancel it))
@@ -125,7 +126,7 @@ class RgpuMagics(Magics, Configurable):
         %rgpu disconnect
             End the session; its tensors are freed on the server.
         %rgpu status
-            Server URL, device, server and client versions, session id, tensors and bytes this
+            Server URL, devices, server and client versions, session id, tensors and bytes this
             session holds on the server, and the round-trip time measured now.
         %rgpu stats [-o] [--clear]
             A table of recent cells: messages, waits, bytes out/in, time spent waiting, wall
@@ -158,6 +159,11 @@ class RgpuMagics(Magics, Configurable):
                 raise UsageError("%%rgpu takes no arguments; use %rgpu ACTION on a line of its own")
             return self._run_counted(cell)
         args = parse_argstring(self.rgpu, line)
+        targets = args.target or []
+        if len(targets) > 1 and args.action != "connect":
+            raise UsageError(f"%rgpu {args.action} takes one argument, not {len(targets)}")
+        args.targets = targets
+        args.target = targets[0] if targets else None
         if args.action is None:
             raise UsageError(
                 "%rgpu needs an action: connect, disconnect, status, stats, widget or ls "
@@ -180,29 +186,37 @@ class RgpuMagics(Magics, Configurable):
     # -- actions -----------------------------------------------------------------------------
 
     def _do_connect(self, args: Any) -> None:
-        target = args.target
-        if target and target != "local" and "://" in target:
-            scheme = target.split("://", 1)[0].lower()
-            if scheme not in (
-                "ws",
-                "wss",
-                "ssh",
-                "slurm",
-            ):  # refuse before connect ends the session
-                raise UsageError(
-                    f"rgpu: servers are reached over ws:// or wss:// (or ssh://, slurm://), not "
-                    f"{scheme}:// ({target})"
-                )
+        for target in args.targets:
+            if target and target != "local" and "://" in target:
+                scheme = target.split("://", 1)[0].lower()
+                if scheme not in ("ws", "wss", "ssh", "slurm"):  # refuse before connect ends
+                    raise UsageError(  # the session
+                        f"rgpu: servers are reached over ws:// or wss:// (or ssh://, slurm://), "
+                        f"not {scheme}:// ({target})"
+                    )
         try:
             session = rgpu.connect(
-                args.target, token=args.token, session=args.session, takeover=args.takeover
+                args.targets if len(args.targets) > 1 else args.target,
+                token=args.token,
+                session=args.session,
+                takeover=args.takeover,
             )
             rtt = session.ping()
         except rgpu.RgpuError as e:
             raise UsageError(f"rgpu: {e}") from None
-        print(
-            f"rgpu: connected to {session.url}, {session.device} ({session.device_name}), RTT {format_seconds(rtt)}"
-        )
+        devices = rgpu.device_list()
+        if len(devices) <= 1:
+            print(
+                f"rgpu: connected to {session.url}, {session.device} ({session.device_name}), "
+                f"RTT {format_seconds(rtt)}"
+            )
+        else:
+            servers = len({d["server"] for d in devices})
+            print(
+                f"rgpu: connected to {plural(servers, 'server')} ({len(devices)} devices), RTT "
+                f"{format_seconds(rtt)} to {session.url}"
+            )
+            print(_device_lines(devices))
         if session.name is not None:
             kept = session.kept_names if session.welcome.attached else ()
             print(
@@ -231,7 +245,9 @@ class RgpuMagics(Magics, Configurable):
                 "server",
                 f"{session.url} (rgpu-server {session.server_version}, torch {session.server_torch})",
             ),
-            ("device", f"{session.device} ({session.device_name})"),
+            ("device", f"{session.device} ({session.device_name})")
+            if len(rgpu.device_list()) <= 1
+            else ("devices", "\n" + _device_lines(rgpu.device_list())),
             ("client", f"rgpu {rgpu.__version__}, torch {_client_torch()}"),
             ("session", session.session_id),
             ("state", session.state),
@@ -370,6 +386,15 @@ class RgpuMagics(Magics, Configurable):
         if self._widget is not None:
             self._widget.close()
             self._widget = None
+
+
+def _device_lines(devices: list[dict]) -> str:
+    """One line per device: rgpu index, name, and (with several servers) where and how it is."""
+    servers = len({d["server"] for d in devices}) > 1
+    return "\n".join(
+        f"  {d['device']}  {d['name']}" + (f"  ({d['server']}, {d['state']})" if servers else "")
+        for d in devices
+    )
 
 
 def _format_left(seconds: float) -> str:

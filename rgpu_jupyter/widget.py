@@ -55,6 +55,13 @@ def session_view() -> dict[str, str]:
     if s is None:
         return {"url": "", "state": "not connected", "device": ""}
     view = {"url": s.url, "state": s.state, "device": f"{s.device} ({s.device_name})"}
+    devices = rgpu.device_list()
+    if len(devices) > 1:  # several devices (servers): each with its state
+        view["device"] = f"{len(devices)} devices"
+        view["devices"] = " · ".join(
+            f"{d['device']} {d['name']}" + ("" if d["state"] == "connected" else f" ({d['state']})")
+            for d in devices
+        )
     if getattr(s, "name", None):
         view["session"] = s.name
         kept = s.welcome.kept if s.welcome.attached else ()
@@ -184,6 +191,8 @@ class RgpuWidget(widgets.VBox):
                 f'<span class="rgpu-in">{format_bytes(cost.bytes_in)}</span> in · '
                 f'<span class="rgpu-elapsed">{format_seconds(cost.wall_seconds)}</span>'
             )
+        if view.get("devices"):
+            line = f'<span class="rgpu-devices">{html.escape(view["devices"])}</span><br>' + line
         if view.get("kept"):
             line = (
                 f'<span class="rgpu-kept">kept: {html.escape(view["kept"])} '
