@@ -16,6 +16,7 @@ from .errors import (
     AuthError,
     ConnectError,
     ConnectionLost,
+    NoSuchDevice,
     ProtocolViolation,
     RemoteError,
     RgpuError,
@@ -47,6 +48,7 @@ __all__ = [
     "ConnectError",
     "AuthError",
     "ConnectionLost",
+    "NoSuchDevice",
     "SessionLost",
     "ProtocolViolation",
 ]

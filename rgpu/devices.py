@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import tensor as _tensor
-from .errors import shown_briefly
+from .errors import NoSuchDevice, shown_briefly
 from .tensor import RemoteTensor
 
 Session = Any  # an rgpu.session.Session
@@ -94,7 +94,7 @@ def check_index(index: int, what: str = "") -> int:
     n = count()
     if not isinstance(index, int) or not 0 <= index < n:
         listed = "rgpu:0" if n == 1 else f"rgpu:0 to rgpu:{n - 1}"
-        raise RuntimeError(
+        raise NoSuchDevice(
             f"{what or f'rgpu:{index}'} does not exist: the connected rgpu server"
             f"{'s have' if _list is not None and len(_list.sessions) > 1 else ' has'} {n} "
             f"device{'s' if n != 1 else ''} ({listed}); torch.rgpu.device_count() says how many"

@@ -113,9 +113,18 @@ class RgpuProcessGroup(dist.ProcessGroup):
         self._post("all_gather", [outputs, inputs[0]], [*outputs, inputs[0]])
         return _done(output_lists)
 
-    def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> Any:
         self._post("all_gather_into_tensor", [output, input], [output, input])
         return _done([output])
+
+    _allgather_base = all_gather_single  # its name before torch 2.13
+
+    def all_gather_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
+        for output, input in zip(outputs, inputs):
+            self.all_gather_single(output, input, opts)
+        return _done(list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs: list, input_lists: list, opts: Any = None) -> Any:
         if len(outputs) != 1:
@@ -125,10 +134,19 @@ class RgpuProcessGroup(dist.ProcessGroup):
         self._post("reduce_scatter", [outputs[0], inputs], [outputs[0], *inputs], {"op": op})
         return _done(outputs)
 
-    def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> Any:
         op = _reduce_name(opts.reduceOp) if opts is not None else "sum"
         self._post("reduce_scatter_tensor", [output, input], [output, input], {"op": op})
         return _done([output])
+
+    _reduce_scatter_base = reduce_scatter_single  # its name before torch 2.13
+
+    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list, opts: Any = None) -> Any:
+        for output, input in zip(outputs, inputs):
+            self.reduce_scatter_single(output, input, opts)
+        return _done(list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts: Any = None) -> Any:
         self._post("barrier", [], [])

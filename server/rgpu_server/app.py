@@ -161,11 +161,7 @@ class RgpuServer:
                 http.HTTPStatus.FORBIDDEN, "rgpu-server: browsers may not connect\n"
             )
         if peers.is_peer(request):  # another rgpu server: a one-time capability, not a token
-            if peers.capability_of(request) is None:
-                return connection.respond(
-                    http.HTTPStatus.FORBIDDEN, "rgpu-server: a peer fetch needs a capability\n"
-                )
-            return None
+            return peers.authorize(connection, request)
         if self.config.token is None:
             return self._authorize_lane(connection, request)
         header = request.headers.get("Authorization", "")

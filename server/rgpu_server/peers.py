@@ -14,6 +14,7 @@ tensor.
 from __future__ import annotations
 
 import asyncio
+import http
 import logging
 import time
 from typing import Any
@@ -93,6 +94,16 @@ def capability_of(request: Any) -> bytes | None:
 
 def is_peer(request: Any) -> bool:
     return request.path.split("?")[0] == PEER_PATH
+
+
+def authorize(connection: ServerConnection, request: Any) -> Any:
+    """A peer fetch is let in with a well-formed capability; whether it names an export is
+    only known once the export is published (serve_peer waits for it)."""
+    if capability_of(request) is None:
+        return connection.respond(
+            http.HTTPStatus.FORBIDDEN, "rgpu-server: a peer fetch needs a capability\n"
+        )
+    return None
 
 
 async def serve_peer(ws: ServerConnection, peer: str) -> None:
