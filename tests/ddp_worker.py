@@ -19,8 +19,8 @@ import torch
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-        torch.nn.Linear(64, 4),
+        torch.nn.Linear(16, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+        torch.nn.Linear(256, 4),
     )  # fmt: skip
 
 
