@@ -260,7 +260,7 @@ def wrap_inner(m: torch.Tensor, size: Any = None, stride: Any = None) -> RemoteT
         strides=m.stride() if stride is None else stride,
         storage_offset=m.storage_offset(),
         dtype=m.dtype,
-        device=DEVICE,
+        device=DEVICES[handle.dev] if handle is not None and handle.dev else DEVICE,
         requires_grad=False,
     )
     w._r = handle if handle is not None else TRACED
