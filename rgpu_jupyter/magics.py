@@ -115,7 +115,7 @@ class RgpuMagics(Magics, Configurable):
     def rgpu(self, line: str, cell: str | None = None) -> Any:
         """Use a remote GPU from this notebook, and see what each cell costs it.
 
-        %rgpu connect [URL ... | local] [--token T]
+        %rgpu connect [URL | local] [--token T]
             Connect (same rules as rgpu.connect: several URLs make one device list, the first
             server's devices numbered first; no URL means $RGPU_SERVER, else an embedded
             local server; ssh://user@host tunnels over SSH, starting a server there if none
@@ -186,6 +186,10 @@ class RgpuMagics(Magics, Configurable):
     # -- actions -----------------------------------------------------------------------------
 
     def _do_connect(self, args: Any) -> None:
+        if len(args.targets) > 1:  # several servers: each must be a server, not a stray word
+            stray = [t for t in args.targets if "://" not in t and ":" not in t and t != "local"]
+            if stray:
+                raise UsageError(f"unrecognized arguments: {' '.join(stray)}")
         for target in args.targets:
             if target and target != "local" and "://" in target:
                 scheme = target.split("://", 1)[0].lower()

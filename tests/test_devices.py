@@ -195,3 +195,23 @@ def test_backward_on_another_device_runs_in_the_calling_thread(devs):
     (w * w).sum().backward()
     assert w.grad.device == torch.device("rgpu", 3)
     assert torch.equal(w.grad.cpu(), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--device", "cpu", "--virtual-devices", "0"], "at least 1"),
+        (["--devices", "cpu,cpu"], "names a device twice"),
+        (["--devices", "cpu", "--virtual-devices", "2"], "do not go together"),
+    ],
+)
+def test_device_flags_that_cannot_work_stop_the_server_with_a_reason(flags, says):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "rgpu_server", "--port", "0", "--no-preload-inductor", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert says in out.stderr

@@ -107,3 +107,19 @@ def test_percent_rgpu_connect_takes_several_urls_and_status_lists_devices(two, c
         assert view["device"] == "3 devices" and "rgpu:2" in view["devices"]
     finally:
         ip.run_line_magic("unload_ext", "rgpu_jupyter")
+
+
+def test_the_peer_path_needs_a_capability_and_nothing_else_opens_without_the_token(two):
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    a, _ = two
+    with pytest.raises(InvalidStatus) as refused:
+        connect(a.url + "/peer", open_timeout=10)
+    assert refused.value.response.status_code == 403
+    with pytest.raises(InvalidStatus) as refused:
+        connect(a.url + "/peer", additional_headers={"X-Rgpu-Capability": "zz"}, open_timeout=10)
+    assert refused.value.response.status_code == 403
+    with pytest.raises(InvalidStatus) as refused:
+        connect(a.url, additional_headers={"X-Rgpu-Capability": "00" * 16}, open_timeout=10)
+    assert refused.value.response.status_code == 401  # the capability opens /peer only

@@ -227,7 +227,8 @@ class RgpuServer:
             self.port = next(iter(server.sockets)).getsockname()[1]
             log.info(
                 "rgpu-server %s listening on %s (%s, torch %s)", __version__, self.url,
-                "; ".join(f"rgpu:{i} = {d}: {name}" for i, (d, name) in enumerate(self.described)),
+                f"device {self.described[0][0]}: {self.described[0][1]}" if len(self.described) == 1
+                else "; ".join(f"rgpu:{i} = {d}: {n}" for i, (d, n) in enumerate(self.described)),
                 torch.__version__,
             )  # fmt: skip
             if on_ready is not None:
