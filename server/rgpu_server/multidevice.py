@@ -32,7 +32,7 @@ def pick_devices(
     repeats a CPU device N times.
     """
     if devices:
-        if virtual:
+        if virtual is not None:
             raise SystemExit("rgpu-server: --devices and --virtual-devices do not go together")
         picked = [pick_device(spec.strip()) for spec in devices.split(",") if spec.strip()]
         if len({d.type for d in picked}) > 1:
@@ -42,7 +42,7 @@ def pick_devices(
         return picked
     if device in (None, "", "auto"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if virtual:
+    if virtual is not None:
         if virtual < 1:
             raise SystemExit("rgpu-server: --virtual-devices must be at least 1")
         if torch.device(device).type != "cpu":
