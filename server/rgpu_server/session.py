@@ -127,6 +127,8 @@ class Session(SessionState):
     # -- the worker --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # the thread's CUDA device is its session's device 0
+            torch.cuda.set_device(self.device)
         profile_dir = self._profile_dir
         if profile_dir:
             import cProfile
