@@ -84,7 +84,7 @@ class RgpuProcessGroup(dist.ProcessGroup):
             if type(t) is not RemoteTensor:
                 raise ValueError(
                     f"the rgpu backend runs collectives on rgpu tensors, not on {t.device} "
-                    "tensors (for those, init_process_group('cpu:gloo,rgpu:rgpu'))"
+                    "tensors (for those, make a gloo group: dist.new_group(backend='gloo'))"
                 )
             if t._r.dev != self.device:
                 raise ValueError(
