@@ -30,6 +30,7 @@ from rgpu_protocol import (
 )
 
 from . import current as _cur
+from . import devices as _devices
 from . import tensor as _tensor
 from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, wrap_inner
 
@@ -182,6 +183,11 @@ class ShippedGraph:
 
     def __call__(self, args: list) -> list:
         sess = _cur._current or _cur.current()
+        dev, where = 0, None
+        if _devices.MULTI:  # the graph runs on its first rgpu input's device (and server)
+            first = next((h for a in args if (h := getattr(a, "_rgpu_handle", None))), None)
+            dev = first.dev if first is not None else _devices.current()
+            sess, where = _devices.session_of(dev, sess)
         if self.key not in sess.graphs:  # once per session: the server builds (or finds) it
             sess.post((Kind.COMPILE, self.key, self.nodes, self.compiler, self.mode))
             sess.graphs.add(self.key)
@@ -208,7 +214,7 @@ class ShippedGraph:
         for kind, payload in self.plan:
             if kind == "new":
                 m = meta_of_key(payload)
-                h = Handle(sess, _tensor.next_id(), payload)
+                h = Handle(sess, _tensor.next_id(), payload, None, dev)
                 m._rgpu_handle = h
                 outs.append(m)
                 ids.append(h.id)
@@ -218,7 +224,7 @@ class ShippedGraph:
             else:
                 outs.append(payload)
                 ids.append(None)
-        sess.post((Kind.CALL, self.key, refs, ids))
+        sess.post((Kind.CALL, self.key, refs, ids), device=where)
         del handles
         return outs
 

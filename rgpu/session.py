@@ -155,6 +155,9 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         self.server_version = welcome.server
         self.device = welcome.device
         self.device_name = welcome.device_name
+        self.devices = welcome.device_list  # (server device, name) per index on this server
+        self.device_base = 0  # the global index of this server's device 0 (rgpu.devices)
+        self.wire_device = 0  # the device the server runs this session's messages on now
         self.max_chunk = min(welcome.max_chunk, UPLOAD_CHUNK)
         self.max_message = welcome.max_message
         self.stream = ClientStream(
@@ -223,8 +226,9 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 "this rgpu session was disconnected; its tensors are gone. Call rgpu.connect()."
             )
 
-    def post(self, msg: tuple, data_bytes: int = 0) -> None:
-        """Queue a message that needs no answer (`data_bytes`: inline tensor bytes in it)."""
+    def post(self, msg: tuple, data_bytes: int = 0, device: int | None = None) -> None:
+        """Queue a message that needs no answer (`data_bytes`: inline tensor bytes in it), to
+        run on this server's device `device` (None: whichever the last message ran on)."""
         flow = False
         if self.uploads._unsettled:  # before this op can change a tensor an upload went into
             self.uploads.settle()
@@ -233,6 +237,8 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 self.check_usable()
             if self.free_bytes >= FREE_BYTES or len(self.frees) >= FREE_COUNT:
                 self._drain_frees_locked()  # big or many: let the server reuse that memory now
+            if device is not None and device != self.wire_device:
+                self.to_device_locked(device)
             data = self._encode(msg)
             queued = self.stream.append(data, data_bytes)
             self.bytes_out += len(data)
@@ -267,6 +273,14 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 self.check_usable()
                 self._drain_frees_locked()
                 self.flush_locked()
+
+    def to_device_locked(self, device: int) -> None:
+        """Queue DEVICE: the server runs the messages after it on `device` (lock held)."""
+        data = self._encode((Kind.DEVICE, device))
+        self.stream.append(data)
+        self.bytes_out += len(data)
+        self.messages += 1
+        self.wire_device = device
 
     def _drain_frees_locked(self) -> None:
         """Turn the ids of garbage-collected tensors into one FREE message."""

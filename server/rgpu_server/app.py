@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import http
 import logging
+import secrets
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from rgpu_protocol.handshake import (
 )
 from rgpu_protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
 
-from . import __version__
+from . import __version__, multidevice, peers
 from .datadirs import DataRoots
 from .devices import device_name
 from .durable import DurableStore
@@ -82,6 +83,11 @@ class ServerConfig:
     quota: int | None = None  # bytes of tensor storage one session may hold
     profile_dir: str | None = None  # a cProfile dump per session goes here (developer aid)
     data: DataRoots | None = None  # --data-dir roots (files.py)
+    devices: tuple[torch.device, ...] = ()  # every device, by rgpu index (empty: just `device`)
+
+    @property
+    def all_devices(self) -> tuple[torch.device, ...]:
+        return self.devices or (self.device,)
 
 
 class RgpuServer:
@@ -107,6 +113,8 @@ class RgpuServer:
         self._connections: set[ServerConnection] = set()
         self._closing = False
         self._lanes: set[ServerLane] = set()
+        self.server_id = secrets.token_bytes(8)  # lets a client see two URLs are one server
+        self.described = multidevice.describe(config.all_devices)
 
     @property
     def scheme(self) -> str:
@@ -155,6 +163,8 @@ class RgpuServer:
             return connection.respond(
                 http.HTTPStatus.FORBIDDEN, "rgpu-server: browsers may not connect\n"
             )
+        if peers.is_peer(request):  # another rgpu server: a one-time capability, not a token
+            return peers.authorize(connection, request)
         if self.config.token is None:
             return self._authorize_lane(connection, request)
         header = request.headers.get("Authorization", "")
@@ -196,6 +206,7 @@ class RgpuServer:
 
     async def run(self, on_ready=None) -> None:
         self._loop = asyncio.get_running_loop()
+        peers.EXPORTS.loop = self._loop
         self.registry.loop = self._loop
         self.registry.close = lambda ws, code, reason: asyncio.ensure_future(
             ws.close(code, reason[:120])
@@ -218,8 +229,10 @@ class RgpuServer:
         ) as server:
             self.port = next(iter(server.sockets)).getsockname()[1]
             log.info(
-                "rgpu-server %s listening on %s (device %s: %s, torch %s)",
-                __version__, self.url, self.config.device, device_name(self.config.device), torch.__version__,
+                "rgpu-server %s listening on %s (%s, torch %s)", __version__, self.url,
+                f"device {self.described[0][0]}: {self.described[0][1]}" if len(self.described) == 1
+                else "; ".join(f"rgpu:{i} = {d}: {n}" for i, (d, n) in enumerate(self.described)),
+                torch.__version__,
             )  # fmt: skip
             if on_ready is not None:
                 on_ready(self)
@@ -268,6 +281,9 @@ class RgpuServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         peer = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
+        if ws.request is not None and peers.is_peer(ws.request):
+            await peers.serve_peer(ws, peer)
+            return
         if ws.request is not None and ws.request.path.split("?")[0] == LANE_PATH:
             session = self.registry.by_id.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
             if session is not None and not session.ended:
@@ -343,6 +359,8 @@ class RgpuServer:
             attached=opened.attached,
             kept=tuple(sorted(session.kept)),
             peek=True,
+            devices=self.described,
+            server_id=self.server_id,
         )
         await ws.send(welcome.frame())
         old_ws = self.registry.connection.get(session.id)
@@ -426,6 +444,7 @@ class RgpuServer:
             owner=owner,
             name=name,
         )
+        multidevice.setup(session, self.config.all_devices)
         session.server_info = self.info
         session.data = self.config.data
         session.registry = self.registry

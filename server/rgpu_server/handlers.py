@@ -10,7 +10,17 @@ from collections.abc import Callable
 
 from rgpu_protocol import SPECS, Kind
 
-from . import control, execute, files, graph_messages, keeping, transfers
+from . import (
+    collectives,
+    control,
+    execute,
+    files,
+    graph_messages,
+    keeping,
+    multidevice,
+    peers,
+    transfers,
+)
 from .state import SessionState
 
 Handler = Callable[[SessionState, int, list], None]
@@ -42,6 +52,11 @@ HANDLERS: dict[int, Handler] = {
     Kind.FORGET: keeping.forget,
     Kind.SESSIONS: keeping.sessions,
     Kind.DROP_SESSION: keeping.drop_session,
+    Kind.DEVICE: multidevice.device,
+    Kind.GROUP: collectives.group,
+    Kind.COLLECTIVE: collectives.collective,
+    Kind.EXPORT: peers.export,
+    Kind.IMPORT: peers.import_,
 }
 
 discard_chunks = transfers.DISCARD  # where the chunks of a replayed, already applied upload go
