@@ -8,12 +8,8 @@ link drops reconnects, resumes the session by id and replays what the server had
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import http
 import logging
 import secrets
-import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +37,9 @@ from rgpu_protocol.handshake import (
     refuse_closing,
     refuse_protocol,
 )
-from rgpu_protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
+from rgpu_protocol.lane import LANE_PATH, SESSION_HEADER
 
-from . import __version__, multidevice, peers
+from . import __version__, admission, multidevice, peers
 from .datadirs import DataRoots
 from .devices import device_name
 from .durable import DurableStore
@@ -58,11 +54,6 @@ _CANCEL = bytes((Frame.CANCEL,))
 _PEEK = bytes((Frame.PEEK,))
 MAX_BACKLOG = 256 << 20  # bytes received but not yet executed, per session, before reading pauses
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def owner_of(token: str) -> str:
-    """Who a token is, as sessions and the state directory record it (never the token)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -147,62 +138,9 @@ class RgpuServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
-    def _ssl_context(self) -> ssl.SSLContext | None:
-        if not self.config.certfile:
-            return None
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.config.certfile, self.config.keyfile)
-        return ctx
-
     def _authorize(self, connection: ServerConnection, request):
-        """Refuse a missing or wrong token before any session exists (constant-time compare)."""
-        if request.headers.get("Origin") is not None:
-            # rgpu clients never send one; browsers always do: refuse pages that a user's browser
-            # visits from talking to this server (cross-site websocket hijacking)
-            return connection.respond(
-                http.HTTPStatus.FORBIDDEN, "rgpu-server: browsers may not connect\n"
-            )
-        if peers.is_peer(request):  # another rgpu server: a one-time capability, not a token
-            return peers.authorize(connection, request)
-        if self.config.token is None:
-            return self._authorize_lane(connection, request)
-        header = request.headers.get("Authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else ""
-        matched = None
-        for token in (self.config.token, *self.config.tokens):
-            if hmac.compare_digest(given.encode(), token.encode()):
-                matched = token
-        if matched is None:
-            peer = (
-                "{}:{}".format(*connection.remote_address[:2]) if connection.remote_address else "?"
-            )
-            log.warning("refused %s: %s token", peer, "wrong" if given else "no")
-            return connection.respond(
-                http.HTTPStatus.UNAUTHORIZED,
-                "rgpu-server: missing or wrong token. Pass it with rgpu.connect(url, token=...), "
-                "RGPU_TOKEN, or ?token=... in the URL.\n",
-            )
-        connection.rgpu_owner = owner_of(matched)  # whose sessions this connection may reach
-        return self._authorize_lane(connection, request)
-
-    def _authorize_lane(self, connection: ServerConnection, request):
-        """A lane must name a live session and carry that session's lane key."""
-        if request.path.split("?")[0] != LANE_PATH:
-            return None
-        try:
-            session = self.registry.by_id.get(
-                bytes.fromhex(request.headers.get(SESSION_HEADER, ""))
-            )
-            key = bytes.fromhex(request.headers.get(KEY_HEADER, ""))
-        except ValueError:
-            session, key = None, b""
-        if session is None or session.ended or not hmac.compare_digest(key, session.lane_key):
-            return connection.respond(
-                http.HTTPStatus.FORBIDDEN,
-                "rgpu-server: a lane needs the id and lane key of a live session\n",
-            )
-        return None
+        return admission.authorize(self.config.token, self.config.tokens, self.registry,
+                                   connection, request)  # fmt: skip
 
     async def run(self, on_ready=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -218,7 +156,7 @@ class RgpuServer:
             self._handle,
             self.config.host,
             self.config.port,
-            ssl=self._ssl_context(),
+            ssl=admission.ssl_context(self.config.certfile, self.config.keyfile),
             process_request=self._authorize,
             compression=None,
             max_size=limits.max_message,
