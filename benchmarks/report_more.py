@@ -133,6 +133,14 @@ def section_ab(doc: dict[str, Any]) -> list[str]:
         f"{rb['median_client_cpu_us_per_op']:.2f} | {doc['cpu_ratio_b_over_a']:.3f} |",
         f"| MLP step ms | {ra['median_mlp_ms_per_step']:.3f} | {rb['median_mlp_ms_per_step']:.3f} "
         f"| {doc['mlp_ratio_b_over_a']:.3f} |",
-        "",
     ]
+    if "llama_cpu_ratio_b_over_a" in doc:
+        lines.append(
+            f"| Llama training step, client CPU ms "
+            f"({ra['llama_messages_per_step']:.0f} / {rb['llama_messages_per_step']:.0f} messages) "
+            f"| {ra['median_llama_client_cpu_ms_per_step']:.1f} "
+            f"| {rb['median_llama_client_cpu_ms_per_step']:.1f} "
+            f"| {doc['llama_cpu_ratio_b_over_a']:.3f} |"
+        )
+    lines.append("")
     return lines
