@@ -7,7 +7,8 @@ Each commit is checked out in a temporary git worktree. Rounds alternate between
 fresh process imports that tree's rgpu, starts its embedded CPU server, and times 7 repeats of
 5,000 `x = x + 1` on 16 floats plus one `.item()` (wall time and client CPU time per op), then
 5 repeats of 200 steps of bench_core's MLP (Linear(16,32)-ReLU-Linear(32,1), batch 64, SGD, the
-loss read every 10 steps). The summary compares the medians of the best four (per-op) and best
+loss read every 10 steps), then (with transformers installed) bench_hf's Llama training step
+(client CPU, wall and messages per step). The summary compares the medians of the best four (per-op) and best
 three (MLP) repeats of each round.
 """
 
@@ -63,8 +64,36 @@ for _ in range(5):
     t0 = time.perf_counter()
     steps(200)
     mlp.append((time.perf_counter() - t0) / 200 * 1e3)
+llama = []
+try:
+    import transformers
+except ImportError:
+    transformers = None
+if transformers is not None:  # bench_hf's Llama: client CPU, wall and messages per training step
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=256, vocab_size=1000, max_position_embeddings=128,
+    )
+    lm = transformers.LlamaForCausalLM(cfg).to("rgpu")
+    lopt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(1)).to("rgpu")
+    def lstep():
+        lopt.zero_grad()
+        loss = lm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        lopt.step()
+        return loss.item()
+    for _ in range(3):
+        lstep()
+    for _ in range(5):
+        m0, c0, t0 = rgpu.stats()["messages"], time.process_time(), time.perf_counter()
+        for _ in range(4):
+            lstep()
+        llama.append([(time.process_time() - c0) / 4 * 1e3, (time.perf_counter() - t0) / 4 * 1e3,
+                      (rgpu.stats()["messages"] - m0) / 4])
 rgpu.disconnect()
-print(json.dumps({"op": out, "mlp_ms": mlp}))
+print(json.dumps({"op": out, "mlp_ms": mlp, "llama": llama}))
 """
 
 
@@ -118,7 +147,20 @@ def main(argv: list[str] | None = None) -> int:
                 "mlp_ms_per_step_by_round": mlps,
                 "median_mlp_ms_per_step": statistics.median(mlps),
             }
+            if all(run.get("llama") for run in runs):  # transformers installed
+                cpu_ms = [statistics.median(sorted(c for c, _, _ in run["llama"])[:3])
+                          for run in runs]  # fmt: skip
+                doc["revisions"][rev]["llama_client_cpu_ms_per_step_by_round"] = cpu_ms
+                doc["revisions"][rev]["median_llama_client_cpu_ms_per_step"] = statistics.median(
+                    cpu_ms
+                )
+                doc["revisions"][rev]["llama_messages_per_step"] = runs[0]["llama"][-1][2]
         revs = [doc["revisions"][rev] for rev in trees]
+        if all("median_llama_client_cpu_ms_per_step" in r for r in revs):
+            doc["llama_cpu_ratio_b_over_a"] = (
+                revs[1]["median_llama_client_cpu_ms_per_step"]
+                / revs[0]["median_llama_client_cpu_ms_per_step"]
+            )
         doc["ratio_b_over_a"] = revs[1]["median_wall_us_per_op"] / revs[0]["median_wall_us_per_op"]
         doc["cpu_ratio_b_over_a"] = (
             revs[1]["median_client_cpu_us_per_op"] / revs[0]["median_client_cpu_us_per_op"]

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from report_more import section_ab, section_files, section_hf
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -35,6 +37,10 @@ SUITE: dict[str, tuple[str, list[str]]] = {
     "training": ("ours", ["bench_training.py"]),
     "compile": ("ours", ["bench_compile.py", "--repeats", "3"]),
     "latency": ("ours", ["bench_latency.py", "--compression"]),
+    "files": ("ours", ["bench_files.py"]),
+    "hf": ("ours", ["bench_hf.py"]),
+    "ab": ("ours", ["ab_per_op.py", "7b6ef75", "HEAD", "--rounds", "3"]),
+    "devices": ("ours", ["bench_devices.py"]),
     "published-core": ("published", ["bench_published.py"]),
     "published-latency": ("published", ["bench_latency.py", "--published", "--steps", "3"]),
 }
@@ -195,6 +201,41 @@ def section_training(tr: dict[str, Any]) -> list[str]:
     ]
 
 
+def section_devices(dv: dict[str, Any]) -> list[str]:
+    ddp, cp = dv["ddp"], dv["copies"]
+    out = [
+        "## Several devices (`bench_devices.py`)",
+        "",
+        "DistributedDataParallel with the `rgpu` c10d backend: N rank processes on rgpu:0..N-1 of "
+        "one `rgpu-server --virtual-devices 4` (gloo on the server), an MLP 16-256-256-4, a "
+        "global batch of 32 split across the ranks, `loss.item()` every step. Per client and "
+        "step, after DDP's two set-up steps; every process shares the machine's cores, so the "
+        "step time shows overhead and contention, not a speed-up.",
+        "",
+        "| devices | step (ms) | messages | waits | bytes out | bytes in | gradient bytes | "
+        "gradients through the client? |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for world, w in ddp["worlds"].items():
+        c = w["per_client_per_step"]
+        out.append(
+            f"| {world} | {w['ms_per_step']['median']:.1f} | {c['messages']:.0f} | "
+            f"{c['waits']:.0f} | {c['bytes_out'] / 1e3:.1f} kB | {c['bytes_in']:.0f} B | "
+            f"{ddp['gradient_bytes'] / 1e3:.0f} kB | "
+            f"{'**yes**' if w['gradient_bytes_through_clients'] else 'no'} |"
+        )
+    names = {"same_device": "on its device (`clone`)",
+             "other_device_same_server": "to another device of the same server",
+             "other_server": "to another server (EXPORT/IMPORT over loopback)"}  # fmt: skip
+    out += ["", f"Copies of {cp['bytes'] >> 20} MiB, taking turns (medians):", "",
+            "| copy | MB/s | client bytes out / in |", "| --- | --- | --- |"]  # fmt: skip
+    for k, v in cp["MBps"].items():
+        moved = cp["client_bytes_per_copy"][k]
+        out.append(f"| {names.get(k, k)} | {v['median']:,.0f} | "
+                   f"{moved['bytes_out']} / {moved['bytes_in']} |")  # fmt: skip
+    return out + [""]
+
+
 def section_compile(cp: dict[str, Any]) -> list[str]:
     out = [
         "## Graph shipping (`bench_compile.py`)",
@@ -279,7 +320,8 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
     core, pub_core = load("core"), load("published-core")
     training, compile_, lat, pub_lat = (
         load("training"), load("compile"), load("latency"), load("published-latency"))  # fmt: skip
-    docs = [d for d in (core, training, compile_, lat) if d]
+    devices = load("devices")
+    docs = [d for d in (core, training, compile_, lat, devices) if d]
     if not docs:
         raise SystemExit("no results in benchmarks/results/: run without --write-only first")
     m = docs[0]["machine"]
@@ -300,7 +342,7 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
         + ", ".join(
             f"{name} at `{d['machine'].get('repo_commit', '?')}`"
             for name, d in (("core", core), ("training", training), ("compile", compile_),
-                            ("latency", lat))
+                            ("latency", lat), ("devices", devices))
             if d
         )
         + " (each with the working tree at the time).",
@@ -320,6 +362,12 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
         png = plot_latency(lat, published, plots)
         link = os.path.relpath(png, out.parent)
         lines += section_latency(lat, published, link)
+    for name, section in (("files", section_files), ("hf", section_hf), ("ab", section_ab)):
+        doc = load(name)
+        if doc:
+            lines += section(doc)
+    if devices:
+        lines += section_devices(devices)
     notes = HERE / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text().rstrip(), ""]

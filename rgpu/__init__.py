@@ -16,6 +16,7 @@ from .errors import (
     AuthError,
     ConnectError,
     ConnectionLost,
+    NoSuchDevice,
     ProtocolViolation,
     RemoteError,
     RgpuError,
@@ -30,6 +31,7 @@ __all__ = [
     "stats",
     "session_info",
     "current_session",
+    "device_list",
     "compile_backend",
     "settings",
     "Event",
@@ -46,6 +48,7 @@ __all__ = [
     "ConnectError",
     "AuthError",
     "ConnectionLost",
+    "NoSuchDevice",
     "SessionLost",
     "ProtocolViolation",
 ]
@@ -56,7 +59,9 @@ from .compile import compile_backend
 from .current import connect, disconnect
 from .current import current as _current
 from .current import get as _get_session
+from .current import sessions as _sessions
 from .device_module import Event
+from .devices import get as _get_devices
 from .keeping import drop_session, forget, keep, kept, sessions
 from .progress import settings
 from .session import Counters
@@ -71,10 +76,24 @@ def stats() -> dict:
 
     A *message* is one op or request in the stream; a *wait* is a point where this process
     blocked for the server's answer; `bytes_out` is what went on the wire (after any op-stream
-    compression). Zeros when not connected.
+    compression). Zeros when not connected. With several servers, the sum over their sessions.
     """
-    session = _get_session()
-    return Counters().as_dict() if session is None else session.stats()
+    sessions = _sessions()
+    if not sessions:
+        return Counters().as_dict()
+    total = sessions[0].stats()
+    for other in sessions[1:]:
+        for k, v in other.stats().items():
+            total[k] += v
+    return total
+
+
+def device_list() -> list[dict]:
+    """The devices of the connected servers, rgpu:0 first: index, device, server (URL),
+    server_device, name, state ("connected", "reconnecting", "lost", "closed"). Empty when not
+    connected; never connects."""
+    devices = _get_devices()
+    return devices.describe() if devices is not None else []
 
 
 def current_session():

@@ -22,6 +22,7 @@ from . import (
     compile,
     device_module,
     dispatch,
+    distributed,
     host_memory,
     plans,
     special_ops,
@@ -81,6 +82,7 @@ def register() -> None:
     plans.SPECIAL.update(special_ops.HANDLERS)
     _setup_privateuseone_for_python_backend(tensor.DEVICE_TYPE, backend_module=device_module.module)
     tensor.DEVICE = torch.device(tensor.DEVICE_TYPE, 0)
+    tensor.DEVICES = [tensor.DEVICE]
     lib = torch.library.Library("aten", "IMPL")
     _libs.append(lib)
     for op in _factory_overloads():
@@ -89,6 +91,7 @@ def register() -> None:
     lib.impl("_copy_from_and_resize", special_ops.copy_from_and_resize, "PrivateUse1")
     autocast.install()
     host_memory.install()
+    distributed.install()
     attention.install(lib)
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt

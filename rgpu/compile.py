@@ -26,11 +26,11 @@ from rgpu_protocol import (
     Kind,
     NodeRef,
     NodeTag,
-    TensorMeta,
     ref_ext,
 )
 
 from . import current as _cur
+from . import devices as _devices
 from . import tensor as _tensor
 from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, wrap_inner
 
@@ -104,8 +104,7 @@ def serialize(gm: torch.fx.GraphModule) -> list:
         elif node.op == "output":
             outs = node.args[0]
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-            layouts = [_layout(v) for v in _output_values(node)]
-            nodes.append([NodeTag.OUTPUT, _encode_arg(outs, index), layouts])
+            nodes.append([NodeTag.OUTPUT, _encode_arg(outs, index)])
         else:
             raise Unshippable(f"it has a {node.op} node ({node.target})")
         index[node] = len(index)
@@ -138,17 +137,6 @@ def _constant(gm: torch.fx.GraphModule, name: str) -> HostData:
         data = value.detach().contiguous()
         raw = data.reshape(-1).view(torch.uint8).numpy().tobytes()
     return HostData(data.dtype, tuple(data.shape), raw)
-
-
-def _layout(value: Any) -> TensorMeta | None:
-    """The layout traced for an output, which the server's result must have."""
-    if not isinstance(value, torch.Tensor) or any(
-        isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())
-    ):
-        return None
-    return TensorMeta(
-        value.dtype, tuple(value.shape), tuple(value.stride()), int(value.storage_offset())
-    )
 
 
 def _output_values(output_node: torch.fx.Node) -> list:
@@ -195,6 +183,11 @@ class ShippedGraph:
 
     def __call__(self, args: list) -> list:
         sess = _cur._current or _cur.current()
+        dev, where = 0, None
+        if _devices.MULTI:  # the graph runs on its first rgpu input's device (and server)
+            first = next((h for a in args if (h := getattr(a, "_rgpu_handle", None))), None)
+            dev = first.dev if first is not None else _devices.current()
+            sess, where = _devices.session_of(dev, sess)
         if self.key not in sess.graphs:  # once per session: the server builds (or finds) it
             sess.post((Kind.COMPILE, self.key, self.nodes, self.compiler, self.mode))
             sess.graphs.add(self.key)
@@ -221,7 +214,7 @@ class ShippedGraph:
         for kind, payload in self.plan:
             if kind == "new":
                 m = meta_of_key(payload)
-                h = Handle(sess, _tensor.next_id(), payload)
+                h = Handle(sess, _tensor.next_id(), payload, None, dev)
                 m._rgpu_handle = h
                 outs.append(m)
                 ids.append(h.id)
@@ -231,7 +224,7 @@ class ShippedGraph:
             else:
                 outs.append(payload)
                 ids.append(None)
-        sess.post((Kind.CALL, self.key, refs, ids))
+        sess.post((Kind.CALL, self.key, refs, ids), device=where)
         del handles
         return outs
 

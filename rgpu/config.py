@@ -92,7 +92,8 @@ class Setting:
 # field name -> its variable, parser and meaning; the order is the docs table's
 FIELDS: dict[str, Setting] = {
     "server": Setting("RGPU_SERVER", _text, "server to connect to on first use: ws://, wss://, "
-                      "host:port, ssh://... or local (an embedded server); unset: local"),
+                      "host:port, ssh://... or local (an embedded server); several, separated "
+                      "by commas, make one device list; unset: local"),
     "token": Setting("RGPU_TOKEN", _text, "the server's token (`rgpu.connect(token=...)` and a "
                      "?token= in the URL take precedence)"),
     "session": Setting("RGPU_SESSION", _text, "a session name: connect on first use to this "

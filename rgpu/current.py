@@ -1,9 +1,14 @@
-"""The process's current session: `connect`, `disconnect`, and the lazy connect on first use."""
+"""The process's current session: `connect`, `disconnect`, and the lazy connect on first use.
+
+`connect` may be given several servers (a list, or URLs separated by commas): their devices
+become one device list (rgpu.devices), and the first server's session is the current one.
+"""
 
 from __future__ import annotations
 
 import atexit
 import logging
+import re
 import sys
 import threading
 from collections.abc import Mapping
@@ -11,7 +16,7 @@ from typing import Any
 
 from rgpu_protocol import DEFAULT_SEED, Kind
 
-from . import progress, slurm, ssh
+from . import devices, progress, slurm, ssh
 from .config import Config
 from .errors import ConnectError, RgpuError, hint
 from .local_server import EmbeddedServer
@@ -20,6 +25,7 @@ from .session import Session
 log = logging.getLogger("rgpu")
 
 _current: Session | None = None
+_others: list[Session] = []  # the sessions of the other servers of the device list
 _lock = threading.RLock()
 _pending_seed: int | None = None
 _disconnected = False  # rgpu.disconnect() was called: no automatic connect until connect()
@@ -51,8 +57,18 @@ def _normalise_url(url: str) -> str:
     return url
 
 
+_NEXT_URL = re.compile(r",\s*(?=(?:wss?|ssh|slurm)://|local\b|[\w.\[\]:-]+:\d+)")
+
+
+def split_targets(target: str | list | tuple) -> list[str]:
+    """Several servers: a list, or URLs separated by commas (as in RGPU_SERVER)."""
+    if isinstance(target, (list, tuple)):
+        return [str(t) for t in target]
+    return [t.strip() for t in _NEXT_URL.split(target) if t.strip()]
+
+
 def connect(
-    url: str | None = None,
+    url: str | list[str] | None = None,
     *,
     token: str | None = None,
     timeout: float = 10.0,
@@ -76,70 +92,112 @@ def connect(
     `token` defaults to ``RGPU_TOKEN`` (a slurm:// job makes its own). Connecting again ends the
     previous session, and with it every rgpu tensor it held.
 
+    Several servers (``rgpu.connect([url_a, url_b])``, or URLs separated by commas here and in
+    ``RGPU_SERVER``) become one device list: server A's devices are rgpu:0.., then server B's
+    follow. A different token per server goes in each URL (``?token=``).
+
     `session` (default ``RGPU_SESSION``) opens a *named* session, or re-opens one a client of the
     same token left (a kernel restart, a killed process): it outlives this process on the server
     (``--detached-ttl``, a day by default), and what `rgpu.keep` marked in it is found again with
     `rgpu.kept`. A named session another live client holds is refused (`rgpu.SessionInUse`)
     unless `takeover` is true; that client then gets `SessionLost`.
     """
-    global _current
+    global _current, _others
     with _lock:
         config = Config.from_env()
         name = session if session is not None else config.session
-        target = url or config.server or "local"
+        targets = split_targets(url or config.server or "local")
+        if not targets:
+            raise ConnectError("rgpu.connect was given no server")
         if name is not None and _current is not None and _current.name == name:
-            _current.close()  # this process holds it: leave it, then open it again below
-        scheme = target.split("://", 1)[0].lower() if "://" in target else ""
-        if scheme == "slurm" and token is not None:
-            raise ConnectError("a slurm:// job makes its own token: leave token= out")
-        if token is None and "token=" not in target and scheme != "slurm":  # ?token= beats env
-            token = config.token
-        if target == "local":
-            server = EmbeddedServer(device=config.local_device or "auto")
-            try:
-                opened = Session(
-                    server.url,
-                    token=server.token,
-                    open_timeout=timeout,
-                    config=config,
-                    local_process=server,
-                    name=name,
-                    takeover=takeover,
-                )
-            except BaseException:
-                server.stop()
-                raise
-            announce(hint(
-                f"started an embedded rgpu server at {server.url} on {opened.device} "
-                f"({opened.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
-            ))  # fmt: skip
-        elif scheme == "slurm":
-            opened = slurm.open_session(
-                target, timeout=timeout, options=slurm_options, config=config, on_state=announce,
-                name=name, takeover=takeover,
-            )  # fmt: skip
-            announce(f"connected through Slurm: {opened.transport.describe()}")
-        elif scheme == "ssh":
-            opened = ssh.open_session(
-                target, token=token, timeout=timeout, options=ssh_options, config=config,
-                name=name, takeover=takeover,
-            )  # fmt: skip
-            if opened.transport.server is not None:
-                announce(f"connected over SSH: {opened.transport.describe()}")
-        else:
-            opened = Session(
-                _normalise_url(target), token=token, open_timeout=timeout, config=config,
-                name=name, takeover=takeover,
-            )  # fmt: skip
-        if _pending_seed is not None and not opened.welcome.attached:
-            opened.post((Kind.SEED, _pending_seed))  # a re-opened session keeps its generator
+            for held in (_current, *_others):
+                held.close()  # this process holds it: leave it, then open it again below
+        opened_all: list[Session] = []
+        try:
+            for target in targets:
+                opened_all.append(_open(target, token, timeout, ssh_options, slurm_options,
+                                        config, name, takeover))  # fmt: skip
+            _check_distinct(opened_all)
+        except BaseException:
+            for s in opened_all:
+                s.close()
+            raise
+        for opened in opened_all:
+            if _pending_seed is not None and not opened.welcome.attached:
+                opened.post((Kind.SEED, _pending_seed))  # a re-opened session keeps its generator
         # the old session ends only now: a mistyped URL does not cost the user their tensors
         disconnect()
-        _current = opened
+        _current, _others = opened_all[0], opened_all[1:]
+        devices.install(devices.DeviceList(opened_all))
         _set_disconnected(False)
         progress.use_config(config)
         _warm_up()
-        return opened
+        return _current
+
+
+def _check_distinct(opened: list[Session]) -> None:
+    seen = {}
+    for s in opened:
+        sid = s.welcome.server_id
+        if sid and sid in seen:
+            raise ConnectError(f"{seen[sid]} and {s.url} are the same rgpu server; list it once")
+        seen[sid] = s.url
+
+
+def _open(
+    target: str,
+    token: str | None,
+    timeout: float,
+    ssh_options: Mapping[str, Any] | None,
+    slurm_options: Mapping[str, Any] | None,
+    config: Config,
+    name: str | None,
+    takeover: bool,
+) -> Session:
+    """A session with one server (a URL, "local", ssh:// or slurm://)."""
+    scheme = target.split("://", 1)[0].lower() if "://" in target else ""
+    if scheme == "slurm" and token is not None:
+        raise ConnectError("a slurm:// job makes its own token: leave token= out")
+    if token is None and "token=" not in target and scheme != "slurm":  # ?token= beats env
+        token = config.token
+    if target == "local":
+        server = EmbeddedServer(device=config.local_device or "auto")
+        try:
+            opened = Session(
+                server.url,
+                token=server.token,
+                open_timeout=timeout,
+                config=config,
+                local_process=server,
+                name=name,
+                takeover=takeover,
+            )
+        except BaseException:
+            server.stop()
+            raise
+        announce(hint(
+            f"started an embedded rgpu server at {server.url} on {opened.device} "
+            f"({opened.device_name}); set RGPU_SERVER or call rgpu.connect(url) to use a remote GPU"
+        ))  # fmt: skip
+    elif scheme == "slurm":
+        opened = slurm.open_session(
+            target, timeout=timeout, options=slurm_options, config=config, on_state=announce,
+            name=name, takeover=takeover,
+        )  # fmt: skip
+        announce(f"connected through Slurm: {opened.transport.describe()}")
+    elif scheme == "ssh":
+        opened = ssh.open_session(
+            target, token=token, timeout=timeout, options=ssh_options, config=config,
+            name=name, takeover=takeover,
+        )  # fmt: skip
+        if opened.transport.server is not None:
+            announce(f"connected over SSH: {opened.transport.describe()}")
+    else:
+        opened = Session(
+            _normalise_url(target), token=token, open_timeout=timeout, config=config,
+            name=name, takeover=takeover,
+        )  # fmt: skip
+    return opened
 
 
 _warming: list[threading.Thread] = []
@@ -176,11 +234,14 @@ def disconnect(drop: bool = False) -> None:
     """End the current session (its rgpu tensors become unusable) and stop an embedded server.
     A named session is left on the server for a later client, unless `drop`. Until the next
     `connect`, using the device raises instead of starting a server."""
-    global _current
+    global _current, _others
     with _lock:
         session, _current = _current, None
+        others, _others = _others, []
         if session is not None:
-            session.close(drop=drop)
+            devices.install(None)
+            for s in (session, *others):
+                s.close(drop=drop)
             _set_disconnected(True)
 
 
@@ -208,6 +269,11 @@ def get() -> Session | None:
     return _current
 
 
+def sessions() -> list[Session]:
+    """Every session of the device list: the current one first (none when not connected)."""
+    return [_current, *_others] if _current is not None else []
+
+
 def initial_seed() -> int:
     """The seed last given to this session's generator (torch's default seed if none was)."""
     return _pending_seed if _pending_seed is not None else DEFAULT_SEED
@@ -218,8 +284,9 @@ def seed(value: int) -> None:
     global _pending_seed
     with _lock:
         _pending_seed = value
-        if _current is not None and not _current.closed:
-            _current.post((Kind.SEED, value))
+        for s in (_current, *_others) if _current is not None else ():
+            if not s.closed and s.broken is None:
+                s.post((Kind.SEED, value))
 
 
 atexit.register(disconnect)

@@ -1,4 +1,8 @@
-"""`torch.rgpu`: the device module PyTorch looks up for the "rgpu" device type."""
+"""`torch.rgpu`: the device module PyTorch looks up for the "rgpu" device type.
+
+It mirrors `torch.cuda`: several devices (rgpu:0..N-1 over the connected servers, rgpu.devices),
+a current device per thread, and per-device synchronize, events, generators and memory.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from rgpu_protocol import Kind
 
 from . import current as _cur
+from . import devices as _devices
 
 
 def is_available() -> bool:
@@ -25,75 +30,111 @@ def _is_in_bad_fork() -> bool:
 
 
 def device_count() -> int:
-    return 1
+    """The devices of the connected servers (connecting first, as any use of rgpu does)."""
+    _cur.current()
+    return _devices.count()
 
 
 def current_device() -> int:
-    return 0
+    """This thread's current device index (0 until `set_device`)."""
+    return _devices.current()
+
+
+def _index(device: object) -> int:
+    """A device index, checked against the servers' devices (connecting first)."""
+    if device is None or (isinstance(device, int) and device == 0):
+        return _devices.current() if device is None else 0
+    _cur.current()
+    return _devices.index_of(device)
 
 
 def set_device(device: object) -> None:
-    idx = torch.device(device).index if not isinstance(device, int) else device
-    if idx not in (None, 0):
-        raise ValueError(f"rgpu has one device, rgpu:0; cannot select {device!r}")
+    """Make `device` (an index, "rgpu:i" or a torch.device) this thread's current device:
+    `device="rgpu"` means it from now on. A negative index does nothing, as with CUDA."""
+    if isinstance(device, int) and device < 0:
+        return
+    _devices.set_current(_index(device))
 
 
 class device:
-    """Context manager selecting an rgpu device; there is only rgpu:0, so it checks and does nothing."""
+    """Context manager: `device` is the current device inside the block (None or -1: no change)."""
 
     def __init__(self, device: object) -> None:
-        if device is not None and not (isinstance(device, int) and device in (-1, 0)):
-            set_device(device)
+        self.idx = -1 if device is None or device == -1 else _index(device)
+        self.prev = -1
 
     def __enter__(self) -> None:
-        return None
+        self.prev = _devices.current()
+        if self.idx >= 0:
+            _devices.set_current(self.idx)
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        _devices.set_current(self.prev)
+
+
+def _on(device: object) -> tuple:
+    """(session, index on its server) of a device (None: the current one)."""
+    sess = _cur.current()
+    return _devices.session_of(_index(device), sess)
 
 
 def synchronize(device: object = None) -> None:
-    """Wait until the server has run everything sent so far (one wait)."""
-    _cur.current().synchronize()
+    """Wait until the device's server has run everything sent so far (one wait)."""
+    sess, local = _on(device)
+    sess.synchronize(device=local if _devices.MULTI else None)
 
 
 def manual_seed(seed: int) -> None:
-    """Seed this session's generator on the server (no wait)."""
-    _cur.seed(int(seed))
+    """Seed the current device's generator on its server (no wait)."""
+    if _devices.count() <= 1:
+        _cur.seed(int(seed))
+        return
+    sess, local = _on(None)
+    sess.post((Kind.SEED, int(seed), local))
 
 
 def manual_seed_all(seed: int) -> None:
+    """Seed every device's generator (no wait); remembered for later sessions."""
     _cur.seed(int(seed))
 
 
 def get_device_name(device: object = None) -> str:
-    """The server's device, e.g. "NVIDIA H200" or "CPU (x86_64, 16 cores)"."""
-    return _cur.current().device_name
+    """The device's name, e.g. "NVIDIA H200" or "CPU (x86_64, 16 cores)"."""
+    sess, local = _on(device)
+    return sess.devices[local][1]
 
 
 def memory_allocated(device: object = None) -> int:
-    """Bytes of tensor storage this session holds on the server (one wait)."""
-    return int(_cur.current().info()["bytes"])
+    """Bytes of tensor storage this session holds on the device (one wait)."""
+    sess, local = _on(device)
+    info = sess.info()
+    per_device = info.get("device_bytes")
+    return int(per_device[local] if per_device else info["bytes"])
 
 
 def get_rng_state(device: object = None) -> torch.Tensor:
-    """This session's generator state on the server, as a CPU uint8 tensor (one wait)."""
-    state = _cur.current().request((Kind.RNG_GET,))
+    """The device's generator state on its server, as a CPU uint8 tensor (one wait)."""
+    sess, local = _on(device)
+    state = sess.request((Kind.RNG_GET,), device=local if _devices.MULTI else None)
     return torch.frombuffer(bytearray(state), dtype=torch.uint8)
 
 
 def set_rng_state(new_state: torch.Tensor, device: object = None) -> None:
     """Restore a state from `get_rng_state` (no wait)."""
     data = new_state.detach().cpu().contiguous().to(torch.uint8)
-    _cur.current().post((Kind.RNG_SET, bytes(data.numpy().tobytes())))
+    sess, local = _on(device)
+    sess.post(
+        (Kind.RNG_SET, bytes(data.numpy().tobytes())), device=local if _devices.MULTI else None
+    )
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [get_rng_state()]
+    return [get_rng_state(i) for i in range(device_count())]
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    set_rng_state(new_states[0])
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
 
 
 def initial_seed() -> int:
@@ -132,9 +173,10 @@ class Event:
         self._session = None
 
     def record(self, stream: object = None) -> None:
-        session = _cur.current()
+        """Mark the current device's stream (`stream`'s device, when one is given)."""
+        session, local = _on(getattr(stream, "device", None))
         self._session = session
-        self._waiter = session.record_event()
+        self._waiter = session.record_event(device=local if _devices.MULTI else None)
 
     def query(self) -> bool:
         """True when everything before the record has run (an unrecorded event is done)."""

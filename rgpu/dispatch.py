@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, TensorMeta, ref_ext
 
 from . import current as _cur
+from . import devices as _devices
 from . import tensor as _tensor
 from .plans import (
     CURRENT_PLANS,
@@ -59,10 +60,12 @@ def _at(args: tuple, kwargs: dict, path: tuple) -> Any:
     return x
 
 
-def _build(spec: tuple, args: tuple, kwargs: dict, sess, ids: list, depth: int = 0) -> Any:
+def _build(
+    spec: tuple, args: tuple, kwargs: dict, sess, ids: list, depth: int = 0, dev: int = 0
+) -> Any:
     kind, payload = spec
     if kind == NEW:
-        w = wrap(sess, payload)
+        w = wrap(sess, payload, dev)
         ids.append(w._r.id)
         return w
     if kind == SAME:
@@ -74,8 +77,8 @@ def _build(spec: tuple, args: tuple, kwargs: dict, sess, ids: list, depth: int =
     if kind == SEQ:
         typ, children = payload
         if depth == 0:
-            return typ(_build(c, args, kwargs, sess, ids, 1) for c in children)
-        return typ(_build(c, args, kwargs, sess, ids, 2) for c in children)
+            return typ(_build(c, args, kwargs, sess, ids, 1, dev) for c in children)
+        return typ(_build(c, args, kwargs, sess, ids, 2, dev) for c in children)
     ids.append(None)
     return payload
 
@@ -95,6 +98,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     if info.wire is None:
         return _run_non_aten(func, args, kwargs)
     sess = _cur._current or _cur.current()
+    dev = 0
+    where = None  # with several devices: the op's device on its server (rgpu.devices)
+    if _devices.MULTI:
+        sess, dev, where = _devices.route(func, args, kwargs, sess)
     try:
         key = plan_key(func, info, args, kwargs, sess)
     except Traced:
@@ -105,15 +112,15 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         plan = infer(func, info, args, kwargs, sess)
         plans[key] = plan
     if plan is DYN:
-        return run_dynamic(func, info, args, kwargs, sess)
+        return run_dynamic(func, info, args, kwargs, sess, dev, where)
     if plan is LEARN:
-        out = run_dynamic(func, info, args, kwargs, sess)
+        out = run_dynamic(func, info, args, kwargs, sess, dev, where)
         plans[key] = plan_from_outputs(out)
         return out
     single = plan.single_key
     if single is not None:
-        out = wrap(sess, single)
-        sess.post((_RUN, info.wire, args, kwargs or None, [out._r.id]))
+        out = wrap(sess, single, dev)
+        sess.post((_RUN, info.wire, args, kwargs or None, [out._r.id]), device=where)
         return out
     if plan.view:
         base: Handle = args[0]._r
@@ -125,14 +132,14 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     for path, new_key in plan.patches:
         target = _at(args, kwargs, path)
         if target._r.base is not None:
-            materialize(target, sess)
+            materialize(target, sess, where)
         patch_metadata(target, new_key)
     ids: list = []
-    out = _build(plan.spec, args, kwargs, sess, ids)
+    out = _build(plan.spec, args, kwargs, sess, ids, 0, dev)
     if plan.expect is None:
-        sess.post((_RUN, info.wire, args, kwargs or None, ids))
+        sess.post((_RUN, info.wire, args, kwargs or None, ids), device=where)
     else:
-        sess.post((_RUN, info.wire, args, kwargs or None, ids, plan.expect))
+        sess.post((_RUN, info.wire, args, kwargs or None, ids, plan.expect), device=where)
     return out
 
 
@@ -186,13 +193,13 @@ def run_traced(func, args: tuple, kwargs: dict) -> Any:
     return pytree.tree_map(wrap_out, out)
 
 
-def materialize(w: RemoteTensor, sess) -> None:
+def materialize(w: RemoteTensor, sess, where: int | None = None) -> None:
     """Give a lazy view its own server entry (before an op changes its metadata in place)."""
     h = w._r
     if h.base is None:
         return
     tid = _tensor.next_id()
-    sess.post((_RUN, "alias.default", [w], None, [tid]))
+    sess.post((_RUN, "alias.default", [w], None, [tid]), device=where)
     h.id = tid
     h.base = None
     h.ext = ref_ext(tid)
@@ -201,7 +208,9 @@ def materialize(w: RemoteTensor, sess) -> None:
 # -- ops that need the server's answer --------------------------------------------------------
 
 
-def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
+def run_dynamic(
+    func, info: OpInfo, args: tuple, kwargs: dict, sess, dev: int = 0, where: int | None = None
+) -> Any:
     """Run an op whose outputs only the data determines: one wait, then outputs stream on."""
     first_id = _tensor.reserve_ids(MAX_DYNAMIC_OUTPUTS)  # the server fills them in order
 
@@ -212,14 +221,16 @@ def run_dynamic(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
             sess.kick()
 
     values = sess.request(
-        (_RUN_DYN, info.wire, args, kwargs or None, first_id), on_abandoned=free_unclaimed
+        (_RUN_DYN, info.wire, args, kwargs or None, first_id),
+        on_abandoned=free_unclaimed,
+        device=where,
     )
     flat = []
     tid = first_id
     for v in values:
         if type(v) is TensorMeta:
             key = key_of_tensor_meta(v)
-            flat.append(wrap_with_id(sess, key, tid))
+            flat.append(wrap_with_id(sess, key, tid, dev))
             tid += 1
         else:
             flat.append(v)

@@ -123,3 +123,9 @@ class ProtocolViolation(RgpuError):
 
 class SessionInUse(ConnectError):
     """The named session is held by another live client (connect with takeover=True to take it)."""
+
+
+class NoSuchDevice(RgpuError, ValueError):
+    """A device index past the connected servers' devices (`rgpu:7` with 4 devices): raised on
+    the line that names it. A RuntimeError, as CUDA's invalid device ordinal is, and a
+    ValueError, as a bad argument is."""

@@ -30,7 +30,7 @@ import torch
 
 from rgpu_protocol import Kind
 
-from . import current as _cur
+from . import devices as _devices
 from .progress import settings
 from .tensor import DEVICE_TYPE
 
@@ -44,9 +44,16 @@ class LookaheadStopCheck:
     the sequence length; returns whether to stop. `finish` says how many steps to undo."""
 
     def __init__(
-        self, session: Any, max_length: int | None, cache: Any, streamer: Any, lookahead: int
+        self,
+        session: Any,
+        max_length: int | None,
+        cache: Any,
+        streamer: Any,
+        lookahead: int,
+        device: int | None = None,
     ) -> None:
         self.session = session
+        self.device = device  # the generator read and set back: the one of the tokens' device
         self.max_length = max_length
         self.cache = cache  # the cache generate returns, cut back on undo; None if it drops it
         self.streamer = streamer
@@ -61,7 +68,7 @@ class LookaheadStopCheck:
     ) -> bool:
         self.steps += 1
         # the generator's state after this step first: once the answer below has arrived, so has it
-        state = self.session.request_async((Kind.RNG_GET,), detached=True)
+        state = self.session.request_async((Kind.RNG_GET,), detached=True, device=self.device)
         answer = unfinished_sequences.max().view(1)
         if self.streamer is not None:
             answer = torch.cat([answer.to(tokens.dtype), tokens.reshape(-1)])
@@ -85,7 +92,7 @@ class LookaheadStopCheck:
         if undo:
             if self.cache is not None:
                 self.cache.crop(-undo)
-            self.session.post((Kind.RNG_SET, self.state_at_stop))
+            self.session.post((Kind.RNG_SET, self.state_at_stop), device=self.device)
         return undo
 
     def _read(self, wait: bool) -> None:
@@ -146,9 +153,10 @@ def patch(utils: Any) -> bool:
 
         def __new__(cls, input_ids, max_length, cache, cache_is_returned, streamer=None):  # noqa: ANN001, ANN204
             if input_ids.device.type == DEVICE_TYPE:
+                h = input_ids._r  # the session and device the tokens live on
                 return LookaheadStopCheck(
-                    _cur.current(), max_length, cache if cache_is_returned else None, streamer,
-                    settings.generate_lookahead,
+                    h.sess, max_length, cache if cache_is_returned else None, streamer,
+                    settings.generate_lookahead, _devices.local_index(h) if _devices.MULTI else None,
                 )  # fmt: skip
             return super().__new__(cls)
 

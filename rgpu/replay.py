@@ -65,6 +65,7 @@ class Replayer:
         self._backoff = 0
         self._barren = 0
         self.sent = False  # a REPLAY went out during the last `take`
+        self.device = 0  # the device the segment's ops run on (a device change ends it)
         self._reset()
 
     def _reset(self) -> None:
@@ -177,7 +178,8 @@ class Replayer:
             return self._match(msg, rel)
         if mode == IDLE:
             self.segments += 1
-            group = self.library.candidates(rel)
+            self.device = self.session.wire_device
+            group = self.library.candidates(rel, self.device)
             if group:
                 self.mode, self.t = MATCH, group[0]
             elif self.segments >= self._quiet_until:
@@ -306,7 +308,7 @@ class Replayer:
             self._barren = 0
             self._backoff = 0
         elif self.rec is not None and len(self.rec) >= MIN_OPS:
-            if self.library.learn(self.rec):
+            if self.library.learn(self.rec, self.device):
                 self._barren = self._backoff = 0
             else:
                 self._barren += 1

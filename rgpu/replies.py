@@ -11,6 +11,7 @@ import torch
 from rgpu_protocol import HostData, TensorMeta, tree
 
 from . import current as _cur
+from . import devices as _devices
 from .errors import RemoteError
 from .tensor import key_of_tensor_meta, wrap_with_id
 
@@ -19,7 +20,9 @@ def ask(msg: tuple, error: type[Exception], prefix: str = "rgpu.") -> Any:
     """One waited request; a refusal labelled `prefix...` is raised as `error` (its message
     alone), any other failure as the RemoteError it is."""
     try:
-        return _cur.current().request(msg)
+        # tensors a LOAD or KEPT makes are on the server's device 0 (rgpu:0 of the current
+        # server), as `unpack_tensors` wraps them
+        return _cur.current().request(msg, device=0 if _devices.MULTI else None)
     except RemoteError as e:
         if e.op.startswith(prefix):
             raise error(e.remote_message) from None

@@ -206,10 +206,10 @@ def _depth_ok(value: Any, depth: int) -> bool:
 class Template:
     """A learned sequence: its ops, its slot on the server, whether the server has it yet."""
 
-    def __init__(self, slot: int, ops: list[OpRec], key: bytes = b"") -> None:
+    def __init__(self, slot: int, ops: list[OpRec], key: tuple = ()) -> None:
         self.slot = slot
         self.ops = ops
-        self.key = key  # lookup_key of its first op
+        self.key = key  # (device, lookup_key of its first op)
         self.defined = False  # DEFINE is sent before its first REPLAY
         self.cpl: dict[int, int] = {}  # slot of another template of the group -> shared ops
 
@@ -248,14 +248,17 @@ class Library:
 
     def __init__(self, max_define_bytes: int) -> None:
         self.max_define_bytes = max_define_bytes
-        self.groups: dict[bytes, list[Template]] = {}  # most recently used first
+        # by (device, first op): a DEFINE names the current device as "rgpu", so a template
+        # replays only on the device it was defined on
+        self.groups: dict[tuple, list[Template]] = {}  # most recently used first
         # recordings waiting for a twin, by first op and length (segments that start alike)
         self.recent: collections.OrderedDict[tuple, list[OpRec]] = collections.OrderedDict()
         self.by_slot: collections.OrderedDict[int, Template] = collections.OrderedDict()  # LRU
 
-    def candidates(self, rel: bytes) -> list[Template] | None:
-        """The templates a segment whose first op is `rel` may follow, most recently used first."""
-        return self.groups.get(lookup_key(rel))
+    def candidates(self, rel: bytes, device: int = 0) -> list[Template] | None:
+        """The templates a segment on `device` whose first op is `rel` may follow, most
+        recently used first."""
+        return self.groups.get((device, lookup_key(rel)))
 
     def used(self, t: Template) -> None:
         group = self.groups.get(t.key)
@@ -270,9 +273,10 @@ class Library:
         group = self.groups.get(t.key) or ()
         return [u for u in group if u is not t and t.cpl.get(u.slot, 0) >= j and len(u.ops) > j]
 
-    def learn(self, rec: list[OpRec]) -> bool:
-        """Take a finished segment's recording; True if it matched or made a template."""
-        key = lookup_key(rec[0].rel)
+    def learn(self, rec: list[OpRec], device: int = 0) -> bool:
+        """Take a finished segment's recording (its ops ran on `device`); True if it matched
+        or made a template."""
+        key = (device, lookup_key(rec[0].rel))
         group = self.groups.get(key, [])
         for t in group:
             merged = merge(t.ops, rec)
@@ -289,7 +293,7 @@ class Library:
             self.recent.popitem(last=False)
         return False
 
-    def _add(self, key: bytes, ops: list[OpRec], replacing: Template | None = None) -> bool:
+    def _add(self, key: tuple, ops: list[OpRec], replacing: Template | None = None) -> bool:
         if len(ops) > MAX_SEQUENCE_OPS:
             return False
         group = self.groups.get(key, [])

@@ -134,6 +134,9 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
         self.server_version = welcome.server
         self.device = welcome.device
         self.device_name = welcome.device_name
+        self.devices = welcome.device_list  # (server device, name) per index on this server
+        self.device_base = 0  # the global index of this server's device 0 (rgpu.devices)
+        self.wire_device = 0  # the device the server runs this session's messages on now
         self.max_chunk = min(welcome.max_chunk, UPLOAD_CHUNK)
         self.max_message = welcome.max_message
         self.stream = ClientStream(
@@ -203,9 +206,10 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 "this rgpu session was disconnected; its tensors are gone. Call rgpu.connect()."
             )
 
-    def post(self, msg: tuple, data_bytes: int = 0) -> None:
-        """Queue a message that needs no answer (`data_bytes`: inline tensor bytes in it); a
-        RUN may be held instead, for a replayed sequence (rgpu.replay)."""
+    def post(self, msg: tuple, data_bytes: int = 0, device: int | None = None) -> None:
+        """Queue a message that needs no answer (`data_bytes`: inline tensor bytes in it), to
+        run on this server's device `device` (None: whichever the last message ran on); a RUN
+        may be held instead, for a replayed sequence (rgpu.replay)."""
         if self.uploads._unsettled:  # before this op can change a tensor an upload went into
             self.uploads.settle()
         with self.lock:
@@ -213,6 +217,8 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 self.check_usable()
             if self.free_bytes >= FREE_BYTES or len(self.frees) >= FREE_COUNT:
                 self._drain_frees_locked()  # big or many: let the server reuse that memory now
+            if device is not None and device != self.wire_device:
+                self.to_device_locked(device)
             if self.replay.on and self.replay.take(msg):
                 flow = self.replay.sent and self.stream.over_limit
             else:
@@ -257,6 +263,15 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 self.check_usable()
                 self._drain_frees_locked()
                 self.flush_locked()
+
+    def to_device_locked(self, device: int) -> None:
+        """Queue DEVICE: the server runs the messages after it on `device` (lock held)."""
+        self.replay.end()  # held ops run on the device they were issued for: they go first
+        data = self._encode((Kind.DEVICE, device))
+        self.stream.append(data)
+        self.bytes_out += len(data)
+        self.messages += 1
+        self.wire_device = device
 
     def _drain_frees_locked(self) -> None:
         """Turn the ids of garbage-collected tensors into one FREE message."""

@@ -11,6 +11,8 @@ import torch
 from rgpu_protocol import dense_strides
 
 from . import current as _cur
+from . import devices as _devices
+from . import peer_copy
 from . import tensor as _tensor
 from .dispatch import dispatch
 from .plans import check_session
@@ -19,13 +21,20 @@ from .tensor import RemoteTensor
 aten = torch.ops.aten
 
 
+def _session_of(x: RemoteTensor):
+    """The session holding `x`: with several servers, not always the current one."""
+    if _devices.MULTI and x._r.sess is not None:
+        return x._r.sess
+    return _cur._current or _cur.current()
+
+
 def _to_copy(func, info, args, kwargs):
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
         x = args[0]
         if kwargs.get("non_blocking"):
             return _to_cpu_async(x, kwargs)
-        out = (_cur._current or _cur.current()).download(x)
+        out = _session_of(x).download(x)
         dtype = kwargs.get("dtype")
         memory_format = kwargs.get("memory_format")
         if dtype is not None and dtype != out.dtype:
@@ -36,6 +45,10 @@ def _to_copy(func, info, args, kwargs):
             out = out.pin_memory()
         return out
     _check_device_index(device)
+    if _devices.MULTI and device is not None and torch.device(device).type == _tensor.DEVICE_TYPE:
+        target = _devices.index_of(device)
+        if _devices.session_of(target, None)[0] is not args[0]._r.sess:
+            return peer_copy.to_device(args[0], target, kwargs)  # server to server
     return _generic(func, info, args, kwargs)
 
 
@@ -57,7 +70,7 @@ def _to_cpu_async(x: RemoteTensor, kwargs: dict) -> torch.Tensor:
         if dense_strides(shape, stride)
         else torch.empty(shape, dtype=x.dtype)
     )
-    return (_cur._current or _cur.current()).download_async(x, into=target)
+    return _session_of(x).download_async(x, into=target)
 
 
 def _generic(func, info, args, kwargs):
@@ -70,11 +83,13 @@ def _generic(func, info, args, kwargs):
 
 
 def _check_device_index(device: Any) -> None:
+    """A device index past the connected servers' devices is an error on the line that asks."""
     if device is None:
         return
     d = torch.device(device)
     if d.type == _tensor.DEVICE_TYPE and d.index not in (None, 0):
-        raise RuntimeError(f"rgpu has one device, rgpu:0; {d} does not exist")
+        _cur._current or _cur.current()  # the device count is the servers'
+        _devices.check_index(d.index, str(d))
 
 
 def _copy(func, info, args, kwargs):
@@ -83,11 +98,13 @@ def _copy(func, info, args, kwargs):
         return upload_into(dst, src)
     if isinstance(src, RemoteTensor) and not isinstance(dst, RemoteTensor):
         return _copy_to_cpu(dst, src, bool(kwargs.get("non_blocking", False)))
+    if _devices.MULTI and peer_copy.crosses_servers(dst, src):
+        return peer_copy.copy_into(dst, src)  # server to server
     return _generic(func, info, args, kwargs)
 
 
 def _copy_to_cpu(dst: torch.Tensor, src: RemoteTensor, non_blocking: bool) -> torch.Tensor:
-    sess = _cur._current or _cur.current()
+    sess = _session_of(src)
     if dst.device.type != "cpu":
         raise RuntimeError(f"cannot copy an rgpu tensor to {dst.device} directly; copy to the CPU")
     try:
@@ -117,7 +134,7 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
             f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b ({list(src.shape)}) "
             "for copy_ into an rgpu tensor"
         )
-    sess = _cur._current or _cur.current()
+    sess = _session_of(dst)
     check_session(dst, sess)
     sess.upload(dst, src)
     return dst
@@ -125,8 +142,7 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
 
 def _local_scalar_dense(func, info, args, kwargs):
     x = args[0]
-    sess = _cur._current or _cur.current()
-    return sess.download(x).item()
+    return _session_of(x).download(x).item()
 
 
 def _is_pinned(func, info, args, kwargs):
@@ -178,8 +194,9 @@ def copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_repr(t: RemoteTensor) -> str:
+    live = t._r.sess is _cur._current or (_devices.MULTI and t._r.sess in _cur.sessions())
     with torch.no_grad():
-        data = (_cur._current or _cur.current()).download(t) if t._r.sess is _cur._current else None
+        data = _session_of(t).download(t) if live else None
     if data is None:
         return f"RemoteTensor(<from an ended rgpu session>, shape={list(t.shape)}, dtype={t.dtype})"
     s = repr(data)

@@ -55,13 +55,16 @@ class Handle:
     cost no message. It keeps `base` alive, as a real view keeps its storage alive.
     """
 
-    __slots__ = ("id", "ext", "key", "sess", "base", "__weakref__")
+    __slots__ = ("id", "ext", "key", "sess", "base", "dev", "__weakref__")
 
-    def __init__(self, sess: Session, tid: int, key: Key, base: Handle | None = None) -> None:
+    def __init__(
+        self, sess: Session, tid: int, key: Key, base: Handle | None = None, dev: int = 0
+    ) -> None:
         self.id = tid
         self.key = key
         self.sess = sess
         self.base = base
+        self.dev = dev  # the rgpu device index (rgpu.devices); a view's is its base's
         if base is None:
             self.ext = _new_ext(_ExtType, (EXT_REF, _pack_id(tid)))  # ref_ext, inlined: hot path
         else:
@@ -88,6 +91,7 @@ class _TracedHandle:
     __slots__ = ()
     sess = None
     base = None
+    dev = 0
 
     @property
     def key(self) -> Key:
@@ -212,10 +216,11 @@ class RemoteTensor(torch.Tensor):
 
 _make = torch.Tensor._make_wrapper_subclass
 DEVICE: torch.device | None = None  # torch.device("rgpu", 0), set once the device is registered
+DEVICES: list[torch.device] = []  # torch.device("rgpu", i) per device index (rgpu.devices)
 
 
-def wrap(sess: Session, key: Key) -> RemoteTensor:
-    """A new RemoteTensor with metadata `key` and a fresh id in `sess`."""
+def wrap(sess: Session, key: Key, dev: int = 0) -> RemoteTensor:
+    """A new RemoteTensor with metadata `key` and a fresh id in `sess`, on device `dev`."""
     dtype, shape, stride, offset, nbytes, flags = key
     w = _make(
         RemoteTensor,
@@ -223,7 +228,7 @@ def wrap(sess: Session, key: Key) -> RemoteTensor:
         strides=stride,
         storage_offset=offset,
         dtype=dtype,
-        device=DEVICE,
+        device=DEVICES[dev] if dev else DEVICE,
         storage_size=nbytes,
     )
     if flags:
@@ -231,7 +236,7 @@ def wrap(sess: Session, key: Key) -> RemoteTensor:
             torch._C._set_conj(w, True)
         if flags & 2:
             torch._C._set_neg(w, True)
-    w._r = Handle(sess, next_id(), key)
+    w._r = Handle(sess, next_id(), key, None, dev) if dev else Handle(sess, next_id(), key)
     return w
 
 
@@ -255,7 +260,7 @@ def wrap_inner(m: torch.Tensor, size: Any = None, stride: Any = None) -> RemoteT
         strides=m.stride() if stride is None else stride,
         storage_offset=m.storage_offset(),
         dtype=m.dtype,
-        device=DEVICE,
+        device=DEVICES[handle.dev] if handle is not None and handle.dev else DEVICE,
         requires_grad=False,
     )
     w._r = handle if handle is not None else TRACED
@@ -266,21 +271,22 @@ def wrap_inner(m: torch.Tensor, size: Any = None, stride: Any = None) -> RemoteT
 def wrap_view(sess: Session, key: Key, of: Handle) -> RemoteTensor:
     """A lazy view with metadata `key` over the storage of `of` (no server message)."""
     dtype, shape, stride, offset, nbytes, flags = key
+    dev = of.dev
     w = _make(
         RemoteTensor,
         shape,
         strides=stride,
         storage_offset=offset,
         dtype=dtype,
-        device=DEVICE,
+        device=DEVICES[dev] if dev else DEVICE,
         storage_size=nbytes,
     )
-    w._r = Handle(sess, 0, key, of.base or of)
+    w._r = Handle(sess, 0, key, of.base or of, dev)
     return w
 
 
-def wrap_with_id(sess: Session, key: Key, tid: int) -> RemoteTensor:
-    w = wrap(sess, key)
+def wrap_with_id(sess: Session, key: Key, tid: int, dev: int = 0) -> RemoteTensor:
+    w = wrap(sess, key, dev)
     w._r.id = tid
     w._r.ext = ref_ext(tid)
     return w
@@ -325,7 +331,7 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
                 RemoteTensor,
                 (nbytes // max(dtype.itemsize, 1),),
                 dtype=dtype,
-                device=DEVICE,
+                device=w.device,
                 storage_size=nbytes,
             )
             torch._C._set_meta_in_tls_dispatch_include(True)

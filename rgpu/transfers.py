@@ -314,7 +314,7 @@ class TransferMixin:
         self.async_readbacks += 1
         return target, waiter
 
-    def record_event(self) -> Waiter:
+    def record_event(self, device: int | None = None) -> Waiter:
         """A marker in the op stream: its waiter finishes once the server has run everything
         before it; the reply carries the server's clock then (for `Event.elapsed_time`)."""
 
@@ -323,7 +323,7 @@ class TransferMixin:
                 self.note_async_error(waiter)
 
         self.check_async_error()
-        return self.request_async((Kind.SYNC,), on_done=done, detached=True)
+        return self.request_async((Kind.SYNC,), on_done=done, detached=True, device=device)
 
 
 def _fill(view: memoryview, nbytes: int, value: Any) -> None:

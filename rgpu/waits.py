@@ -15,7 +15,7 @@ from typing import Any
 from rgpu_protocol import Kind, Status, cancel_frame
 from rgpu_protocol.client_stream import Acked, Data, Failed, Reply
 
-from .errors import ProtocolViolation, RemoteError, RgpuError
+from .errors import ProtocolViolation, RemoteError, RgpuError, shown_briefly
 from .peek import PEEK_REPLY
 from .progress import TransferProgress
 
@@ -89,6 +89,7 @@ class WaitMixin:
         *,
         on_abandoned: Callable[[Status, Any], None] | None = None,
         progress: TransferProgress | None = None,
+        device: int | None = None,
     ) -> Any:
         """Queue a waited message, send everything, and block until its reply.
 
@@ -96,7 +97,7 @@ class WaitMixin:
         outputs of an abandoned data-dependent op get freed) and the session stays usable.
         """
         self.check_async_error()
-        waiter = self.request_async(msg, sink)
+        waiter = self.request_async(msg, sink, device=device)
         waiter.on_abandoned = on_abandoned
         return self.wait_for(waiter, progress)
 
@@ -107,6 +108,7 @@ class WaitMixin:
         *,
         on_done: Callable[[Waiter], None] | None = None,
         detached: bool = False,
+        device: int | None = None,
     ) -> Waiter:
         """Queue a waited message and send everything, without waiting: the reply fills the
         returned Waiter (non-blocking readback, events).
@@ -121,6 +123,8 @@ class WaitMixin:
             self.check_usable()
             self.replay.end()  # a wait ends the segment: held ops go out first
             self._drain_frees_locked()  # so a waited INFO sees memory the client already let go
+            if device is not None and device != self.wire_device:
+                self.to_device_locked(device)  # this server's device `device` answers
             data = self._encode(msg)
             waiter.seq = self.stream.append_waited(data, waiter)
             self.bytes_out += len(data)
@@ -161,6 +165,7 @@ class WaitMixin:
         except KeyboardInterrupt as e:  # Ctrl-C: stop waiting, and stop the server's queued work
             waiter.abandoned = True
             self.interrupted(e)
+            shown_briefly(e)  # in IPython: the user's lines, not rgpu's and torch's, and the note
             raise
         except BaseException:
             waiter.abandoned = True
@@ -189,10 +194,11 @@ class WaitMixin:
             )
         return max(queued, 0)
 
-    def synchronize(self) -> None:
+    def synchronize(self, device: int | None = None) -> None:
         """Wait until the server has run everything sent so far (one wait); raise a failure of
-        a non-blocking readback sent before, which has landed by then (replies come in order)."""
-        self.request((Kind.SYNC,))
+        a non-blocking readback sent before, which has landed by then (replies come in order).
+        `device`: the server's device to synchronize (None: the one the last message ran on)."""
+        self.request((Kind.SYNC,), device=device)
         self.check_async_error()
 
     def check_async_error(self) -> None:

@@ -25,6 +25,7 @@ from .accounting import CellAccounting, make_cost, send_leftovers
 from .advice import advise
 from .render import memory_text, time_split, utilization_text
 from .report import CellStats, cell_line, format_bytes, format_seconds, plural
+from .usage import check_targets, checked, client_torch, device_lines, format_left
 
 
 @magics_class
@@ -107,10 +108,10 @@ class RgpuMagics(Magics, Configurable):
     )
     @argument(
         "target",
-        nargs="?",
+        nargs="*",
         default=None,
         help="for connect: ws://HOST:PORT, HOST:PORT, ssh://USER@HOST, slurm://USER@LOGIN or "
-        "local; for ls: a folder; for drop: a session name",
+        "local (several: one device list); for ls: a folder; for drop: a session name",
     )
     @argument(
         "--token", default=None, help="for connect: the server's token (default: $RGPU_TOKEN)"
@@ -130,7 +131,8 @@ class RgpuMagics(Magics, Configurable):
         """Use a remote GPU from this notebook, and see what each cell costs it.
 
         %rgpu connect [URL | local] [--token T]
-            Connect (same rules as rgpu.connect: no URL means $RGPU_SERVER, else an embedded
+            Connect (same rules as rgpu.connect: several URLs make one device list, the first
+            server's devices numbered first; no URL means $RGPU_SERVER, else an embedded
             local server; ssh://user@host tunnels over SSH, starting a server there if none
             runs; slurm://user@login?partition=gpu&gres=gpu:1&time=2:00:00 runs the server as a
             Slurm job, printing its state while it waits (interrupt the kernel to cancel it))
@@ -139,7 +141,7 @@ class RgpuMagics(Magics, Configurable):
         %rgpu disconnect
             End the session; its tensors are freed on the server.
         %rgpu status
-            Server URL, device, server and client versions, session id, tensors and bytes this
+            Server URL, devices, server and client versions, session id, tensors and bytes this
             session holds on the server, and the round-trip time measured now.
         %rgpu stats [-o] [--clear]
             A table of recent cells: messages, waits, bytes out/in, time spent waiting, wall
@@ -173,60 +175,36 @@ class RgpuMagics(Magics, Configurable):
             if line.strip():
                 raise UsageError("%%rgpu takes no arguments; use %rgpu ACTION on a line of its own")
             return self._run_counted(cell)
-        args = parse_argstring(self.rgpu, line)
-        if args.action is None:
-            raise UsageError(
-                "%rgpu needs an action: connect, disconnect, status, stats, widget or ls "
-                "(see %rgpu?)"
-            )
-        if args.action != "connect" and (args.session is not None or args.takeover):
-            raise UsageError("--session and --takeover belong to %rgpu connect")
-        if args.action in ("ls", "drop") and args.token is not None:
-            raise UsageError(f"%rgpu {args.action} takes no token")
-        if args.action == "drop" and not args.target:
-            raise UsageError("%rgpu drop needs a session name")
-        if args.action not in ("connect", "ls", "drop") and (
-            args.target is not None or args.token is not None
-        ):
-            raise UsageError(f"%rgpu {args.action} takes no URL or token")
-        if args.action != "stats" and (args.object or args.clear):
-            raise UsageError(f"-o and --clear belong to %rgpu stats, not %rgpu {args.action}")
-        if args.action not in ("widget", "connect") and (
-            args.side or args.inline or args.compact or args.full
-        ):
-            raise UsageError(
-                f"--side, --inline, --compact and --full belong to %rgpu widget, not %rgpu {args.action}"
-            )
-        if (args.side and args.inline) or (args.compact and args.full):
-            raise UsageError("choose one of --side / --inline and one of --compact / --full")
+        args = checked(parse_argstring(self.rgpu, line))
         return getattr(self, "_do_" + args.action)(args)
 
     # -- actions -----------------------------------------------------------------------------
 
     def _do_connect(self, args: Any) -> None:
-        target = args.target
-        if target and target != "local" and "://" in target:
-            scheme = target.split("://", 1)[0].lower()
-            if scheme not in (
-                "ws",
-                "wss",
-                "ssh",
-                "slurm",
-            ):  # refuse before connect ends the session
-                raise UsageError(
-                    f"rgpu: servers are reached over ws:// or wss:// (or ssh://, slurm://), not "
-                    f"{scheme}:// ({target})"
-                )
+        check_targets(args.targets)
         try:
             session = rgpu.connect(
-                args.target, token=args.token, session=args.session, takeover=args.takeover
+                args.targets if len(args.targets) > 1 else args.target,
+                token=args.token,
+                session=args.session,
+                takeover=args.takeover,
             )
             rtt = session.ping()
         except rgpu.RgpuError as e:
             raise UsageError(f"rgpu: {hint(str(e))}") from None
-        print(
-            f"rgpu: connected to {session.url}, {session.device} ({session.device_name}), RTT {format_seconds(rtt)}"
-        )
+        devices = rgpu.device_list()
+        if len(devices) <= 1:
+            print(
+                f"rgpu: connected to {session.url}, {session.device} ({session.device_name}), "
+                f"RTT {format_seconds(rtt)}"
+            )
+        else:
+            servers = len({d["server"] for d in devices})
+            print(
+                f"rgpu: connected to {plural(servers, 'server')} ({len(devices)} devices), RTT "
+                f"{format_seconds(rtt)} to {session.url}"
+            )
+            print(device_lines(devices))
         if session.name is not None:
             kept = session.kept_names if session.welcome.attached else ()
             print(
@@ -255,8 +233,10 @@ class RgpuMagics(Magics, Configurable):
                 "server",
                 f"{session.url} (rgpu-server {session.server_version}, torch {session.server_torch})",
             ),
-            ("device", f"{session.device} ({session.device_name})"),
-            ("client", f"rgpu {rgpu.__version__}, torch {_client_torch()}"),
+            ("device", f"{session.device} ({session.device_name})")
+            if len(rgpu.device_list()) <= 1
+            else ("devices", "\n" + device_lines(rgpu.device_list())),
+            ("client", f"rgpu {rgpu.__version__}, torch {client_torch()}"),
             ("session", session.session_id),
             ("state", session.state),
         ]
@@ -304,7 +284,7 @@ class RgpuMagics(Magics, Configurable):
         except rgpu.RgpuError as e:
             raise UsageError(f"rgpu: {hint(str(e))}") from None
         for e in entries:
-            left = "" if e.seconds_left is None else f", {_format_left(e.seconds_left)} left"
+            left = "" if e.seconds_left is None else f", {format_left(e.seconds_left)} left"
             mark = "* " if e.current else "  "
             print(
                 f"{mark}{e.name or '(unnamed ' + e.session + ')'}: {e.state} since {e.since}, "
@@ -434,13 +414,3 @@ class RgpuMagics(Magics, Configurable):
         if self._widget is not None:
             self._widget.close()
             self._widget = None
-
-
-def _format_left(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
-
-
-def _client_torch() -> str:
-    import torch
-
-    return torch.__version__

@@ -56,6 +56,13 @@ def session_view() -> dict[str, str]:
     if s is None:
         return {"url": "", "state": "not connected", "device": ""}
     view = {"url": s.url, "state": s.state, "device": f"{s.device} ({s.device_name})"}
+    devices = rgpu.device_list()
+    if len(devices) > 1:  # several devices (servers): each with its state
+        view["device"] = f"{len(devices)} devices"
+        view["devices"] = " · ".join(
+            f"{d['device']} {d['name']}" + ("" if d["state"] == "connected" else f" ({d['state']})")
+            for d in devices
+        )
     if getattr(s, "name", None):
         view["session"] = s.name
         kept = s.welcome.kept if s.welcome.attached else ()
@@ -214,6 +221,8 @@ class RgpuWidget(widgets.VBox):
         device = device_html(facts)
         if device:
             lines.append(f'<span class="rgpu-device">{device}</span>')
+        if view.get("devices"):
+            lines.append(f'<span class="rgpu-devices">{html.escape(view["devices"])}</span>')
         if view.get("kept"):
             lines.append(
                 f'<span class="rgpu-kept">kept: {html.escape(view["kept"])} '

@@ -3,8 +3,9 @@
 The client (`rgpu`) and the server (`rgpu_server`) both import this package, and it imports
 neither: it needs only msgpack and torch (for dtypes and the CPU tensors of inline data).
 It holds the codec (`codec`), frames (`frames`), messages and the facts both ends share
-(`messages`, `layout`), the handshake (`handshake`), the bulk lane's records (`lane`), and the two
-ends of the op stream as state machines (`client_stream`, `server_stream`). See docs/protocol.md.
+(`messages`, `layout`), the handshake (`handshake`), the bulk lane's records (`lane`), copies
+from server to server (`peer`), and the two ends of the op stream as state machines
+(`client_stream`, `server_stream`). See docs/protocol.md.
 """
 
 from . import tree
@@ -79,6 +80,7 @@ from .handshake import (
 )
 from .layout import dense_strides, storage_span
 from .messages import (
+    COLLECTIVE_OPS,
     DEFAULT_SEED,
     GRAPH_CONSTANT_BYTES,
     MAX_DYNAMIC_OUTPUTS,
@@ -86,6 +88,7 @@ from .messages import (
     MAX_SEQUENCE_TOTAL_OPS,
     MAX_SEQUENCES,
     MAX_TREE_TENSORS,
+    REDUCE_OPS,
     SPECS,
     WAITED,
     Kind,
@@ -104,6 +107,7 @@ __all__ = [
     "ABORT_OFFSET",
     "BatchReader",
     "CODE_TO_DTYPE",
+    "COLLECTIVE_OPS",
     "CloseCode",
     "DEFAULT_LIMITS",
     "DEFAULT_SEED",
@@ -135,6 +139,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "ProtocolError",
     "Ref",
+    "REDUCE_OPS",
     "Refusal",
     "RefusalCode",
     "SPECS",

@@ -323,11 +323,15 @@ DEFAULT_LIMITS = Limits()
 
 def make_unpacker(limits: Limits, ext_hook: Callable[[int, bytes], Any] = default_ext_hook):
     """An incremental msgpack decoder bounded by `limits` (length of every str/bin/array/map)."""
-    return msgpack.Unpacker(
+    return msgpack.Unpacker(max_buffer_size=limits.max_message, **_bounds(limits, ext_hook))
+
+
+def _bounds(limits: Limits, ext_hook: Callable[[int, bytes], Any]) -> dict:
+    """msgpack's decoding options for these limits (both decoders take the same)."""
+    return dict(
         ext_hook=ext_hook,
         raw=False,
         strict_map_key=True,
-        max_buffer_size=limits.max_message,
         max_str_len=limits.max_str,
         max_bin_len=limits.max_message,
         max_array_len=limits.max_list,
@@ -362,17 +366,7 @@ def unpack_one(
             f"message of {len(data)} bytes exceeds the limit of {limits.max_message}"
         )
     try:
-        value = msgpack.unpackb(
-            data,
-            ext_hook=ext_hook,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=limits.max_str,
-            max_bin_len=limits.max_message,
-            max_array_len=limits.max_list,
-            max_map_len=limits.max_map,
-            max_ext_len=limits.max_message,
-        )
+        value = msgpack.unpackb(data, **_bounds(limits, ext_hook))
     except ProtocolError:
         raise
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:

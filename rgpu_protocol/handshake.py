@@ -81,12 +81,23 @@ class Welcome:
     attached: bool = False  # a named session re-opened: only its kept objects are left
     kept: tuple[str, ...] = ()  # the names `rgpu.keep` gave objects in this session
     peek: bool = False  # the server answers PEEK frames (live device facts, out of band)
+    # every device of the server, (torch device, name), in index order; empty from an older
+    # server, which has one: (device, device_name). A server that lists them understands
+    # DEVICE, GROUP, COLLECTIVE, EXPORT and IMPORT.
+    devices: tuple[tuple[str, str], ...] = ()
+    server_id: bytes = b""  # random per server process: two URLs of one server compare equal
 
     def frame(self) -> bytes:
         d = asdict(self)
         d["compress"] = list(self.compress)
         d["kept"] = list(self.kept)
+        d["devices"] = [list(pair) for pair in self.devices]
         return welcome_frame(d)
+
+    @property
+    def device_list(self) -> tuple[tuple[str, str], ...]:
+        """The server's devices, in index order (one for an older server)."""
+        return self.devices or ((self.device, self.device_name),)
 
     @classmethod
     def parse(cls, frame: bytes, limits: Limits = DEFAULT_LIMITS) -> Welcome | Refusal:
@@ -115,7 +126,20 @@ class Welcome:
             attached=bool(d.get("attached", False)),
             kept=tuple(str(k) for k in kept) if type(kept := d.get("kept")) is list else (),
             peek=d.get("peek") is True,
+            devices=_device_pairs(d.get("devices")),
+            server_id=_typed(d, "server_id", (bytes,), b""),
         )
+
+
+def _device_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    if type(value) is not list:
+        return ()
+    pairs = []
+    for pair in value:
+        if type(pair) is not list or len(pair) != 2 or not all(type(x) is str for x in pair):
+            raise ProtocolError("WELCOME's devices must be [device, name] pairs")
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
 
 
 class RefusalCode(str, Enum):

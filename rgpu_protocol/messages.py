@@ -56,6 +56,11 @@ class Kind(IntEnum):
     FORGET = 30
     SESSIONS = 31
     DROP_SESSION = 32
+    DEVICE = 33
+    GROUP = 34
+    COLLECTIVE = 35
+    EXPORT = 36
+    IMPORT = 37
 
 
 class Status(IntEnum):
@@ -122,7 +127,9 @@ SPECS: dict[int, MessageSpec] = {
               "frames, or lane_reply(nbytes)",
               _REF, Field("ticket", (int, _NoneType), optional=True)),
         _spec(Kind.FREE, False, "drop these ids", Field("ids", (list,))),
-        _spec(Kind.SEED, False, "seed the session's generator", Field("seed", (int,))),
+        _spec(Kind.SEED, False, "seed the session's generators: every device's, or (with a "
+              "device index) that device's", Field("seed", (int,)),
+              Field("device", (int, _NoneType), optional=True)),
         _spec(Kind.SYNC, True, "reply once everything before ran; value: the server's clock"),
         _spec(Kind.INFO, True, "reply: a map of session and server facts"),
         _spec(Kind.RNG_GET, True, "reply: the session generator's state"),
@@ -173,12 +180,29 @@ SPECS: dict[int, MessageSpec] = {
         _spec(Kind.SESSIONS, True, "reply: this token's sessions, as maps"),
         _spec(Kind.DROP_SESSION, True, "end a named session of this token, live or detached",
               Field("name", (str,))),
+        # several devices (devices.py): the device later messages run on, collectives, and
+        # copies from server to server
+        _spec(Kind.DEVICE, False, "later messages run on this device (an index into WELCOME's "
+              "devices), until the next DEVICE", Field("index", (int,))),
+        _spec(Kind.GROUP, True, "join a collective group as rank of size (every rank's session "
+              "sends it; the reply comes once all have joined)", Field("group", (str,)),
+              Field("rank", (int,)), Field("size", (int,)), Field("timeout", (float, int))),
+        _spec(Kind.COLLECTIVE, False, "run a collective of a joined group on tensors of this "
+              "session, with the server's torch.distributed", Field("group", (str,)),
+              Field("op", (str,)), Field("tensors", (list,)),
+              Field("options", (dict, _NoneType))),
+        _spec(Kind.EXPORT, False, "offer a snapshot of a tensor's bytes to one other server, "
+              "which fetches it with the capability (peer.py)", _REF,
+              Field("capability", (bytes,))),
+        _spec(Kind.IMPORT, False, "fetch an exported tensor from another server into a tensor "
+              "of this session", _REF, Field("url", (str,)), Field("capability", (bytes,))),
     )
 }  # fmt: skip
 
 WAITED = frozenset(k for k, s in SPECS.items() if s.waited)
 # the kinds an interrupt cancels when the server has not started them: the work. (FREE, SEED,
-# RNG_SET, UPLOAD and the like still run: they are cheap, and later messages rely on them.)
+# RNG_SET, UPLOAD and the like still run: they are cheap, and later messages rely on them; so do
+# COLLECTIVE, which the other ranks wait for, and EXPORT/IMPORT, which another server waits for.)
 CANCELLABLE = frozenset(
     {Kind.RUN, Kind.RUN_DYN, Kind.CALL, Kind.REPLAY, Kind.DOWNLOAD, Kind.LOAD, Kind.SAVE, Kind.SYNC}
 )
@@ -259,3 +283,18 @@ def written_returns(schema: Any) -> tuple[tuple[int, int, str], ...]:
                 found.append((i, -1 if a.kwarg_only else j, a.name))
                 break
     return tuple(found)
+
+
+# -- collectives (COLLECTIVE's `op` and options) --------------------------------------------------
+
+# op -> how its `tensors` field is laid out; a failed collective poisons every tensor it names
+COLLECTIVE_OPS = {
+    "all_reduce": "[tensor, ...]: reduced in place across the ranks",
+    "broadcast": "[tensor, ...]: the root rank's values, in place",
+    "all_gather": "[[output, ...], input]: output k receives rank k's input",
+    "all_gather_into_tensor": "[output, input]: the ranks' inputs concatenated along dim 0",
+    "reduce_scatter": "[output, [input, ...]]: output = the reduction of every rank's input r",
+    "reduce_scatter_tensor": "[output, input]: output = the reduction of rank r's slice of input",
+    "barrier": "[]: every rank's stream reaches this point before any goes on",
+}
+REDUCE_OPS = ("sum", "product", "min", "max", "band", "bor", "bxor", "avg")  # options["op"]

@@ -9,15 +9,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _report():
+def _report(monkeypatch):
+    # report.py imports its sibling report_more.py, as it does when run as a script
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("rgpu_report", ROOT / "benchmarks" / "report.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_report_writes_tables_targets_and_plot_from_the_results(tmp_path):
-    report = _report()
+def test_report_writes_tables_targets_and_plot_from_the_results(tmp_path, monkeypatch):
+    report = _report(monkeypatch)
     out = report.write_markdown(tmp_path / "BENCHMARKS.md", tmp_path / "plots")
     text = out.read_text()
     png = tmp_path / "plots" / "latency.png"

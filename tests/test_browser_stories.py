@@ -32,7 +32,9 @@ CELLS = [
     'x = torch.randn(128, 128, device="rgpu")\nt0 = time.time()\nwhile time.time() - t0 < 8:\n'
     '    x = (x @ x).tanh()\n    x.sum().item()\nbig = torch.ones(1 << 22, device="rgpu")\n'
     'print("worked")',
-    'y = torch.randn(1024, 1024, device="rgpu")\nfor _ in range(400):\n    y = (y @ y).tanh()\n'
+    # minutes of queued matmuls on any CPU here (one 1024-wide one takes 10-40 ms): the interrupt,
+    # not the work's end, is what finishes this cell
+    'y = torch.randn(2048, 2048, device="rgpu")\nfor _ in range(2000):\n    y = (y @ y).tanh()\n'
     "y.sum().item()",
     't = time.time()\nv = torch.ones(2, device="rgpu").sum().item()\n'
     'print("next", v, rgpu.current_session().url == url0, round(time.time() - t) < 10)',

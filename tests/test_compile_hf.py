@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import rgpu
-from rgpu_protocol import TensorMeta
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,20 +115,6 @@ def test_a_constant_made_inside_the_compiled_code_travels_in_the_graph(session):
         out = cf(torch.ones(3, device="rgpu"))
     assert not _fell_back(caught)
     assert torch.equal(out.cpu(), torch.tensor([1.0, 2.0, 3.0]))
-
-
-def test_the_server_gives_a_graph_output_its_traced_layout():
-    from rgpu_server.graph_messages import conform
-
-    x = torch.arange(24.0).reshape(2, 3, 4)
-    odd = x.transpose(0, 2).contiguous().transpose(0, 2)  # same values, other strides
-    fixed = conform(odd, TensorMeta(torch.float32, (2, 3, 4), (12, 4, 1), 0))
-    assert fixed.stride() == (12, 4, 1) and torch.equal(fixed, x)
-    assert conform(x, TensorMeta(torch.float32, (2, 3, 4), (12, 4, 1), 0)) is x
-    shifted = conform(x, TensorMeta(torch.float32, (2, 3, 4), (12, 4, 1), 5))
-    assert shifted.storage_offset() == 5 and torch.equal(shifted, x)
-    with pytest.raises(RuntimeError, match="traced as"):
-        conform(x, TensorMeta(torch.float32, (4, 6), (6, 1), 0))
 
 
 def test_a_graph_inductor_cannot_compile_runs_op_by_op_with_the_same_results(session):

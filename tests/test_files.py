@@ -285,16 +285,12 @@ def test_torch_load_rules_refuse_arbitrary_objects(files):
         rf.save({"m": torch.nn.Linear(2, 2)}, "x.pt")
 
 
-def test_files_over_the_quota_or_the_disk_limit_are_refused(tmp_path):
-    srv = ServerProcess(
+def test_files_over_the_quota_or_the_disk_limit_are_refused(tmp_path, start_server):
+    srv = start_server(
         "--data-dir", str(tmp_path), "--session-quota-mb", "32", "--max-disk-mb", "48"
     )
-    try:
-        rgpu.connect(srv.url)
-        _over_the_limits(tmp_path)
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+    rgpu.connect(srv.url)
+    _over_the_limits(tmp_path)
 
 
 def _over_the_limits(data):

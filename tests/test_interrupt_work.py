@@ -36,6 +36,10 @@ def test_an_interrupt_cancels_the_queued_work_the_server_has_not_started(dev, si
         ys[-1].sum().item()
     timer.join()
     assert "the server skips the work of up to" in "\n".join(interrupt.value.__notes__)
+    # in IPython: the test's own line, not rgpu's or torch's, then the note
+    shown = interrupt.value._render_traceback_()
+    assert "ys[-1].sum().item()" in "\n".join(shown) and "dispatch" not in "\n".join(shown)
+    assert shown[-1].startswith("rgpu: the server skips the work")
     assert (x[0, 0] * 0 + 1).item() == 1.0  # the session goes on, and waits for nothing queued
     ran = rgpu.session_info()["ops_run"] - before
     assert ran < 3000  # most of the queue never ran

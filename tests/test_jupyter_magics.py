@@ -425,31 +425,23 @@ def test_status_shows_a_pending_server_error_instead_of_raising_it(connected, ca
     torch.rgpu.synchronize()  # reported once
 
 
-def test_ls_lists_a_folder_on_the_server_with_sizes(ip, tmp_path, capsys):
-    from rgpu_test_servers import ServerProcess
-
+def test_ls_lists_a_folder_on_the_server_with_sizes(ip, tmp_path, capsys, start_server):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "data.bin").write_bytes(bytes(3000))
-    srv = ServerProcess("--data-dir", str(tmp_path))
-    try:
-        ip.run_line_magic("rgpu", f"connect {srv.url}")
-        capsys.readouterr()
-        ip.run_line_magic("rgpu", "ls")
-        assert capsys.readouterr().out.splitlines() == ["2.9 KiB  data.bin", "      -  model/"]
-        ip.run_line_magic("rgpu", "ls model")
-        assert capsys.readouterr().out.splitlines() == ["2 B  config.json"]
-        with pytest.raises(UsageError, match="rgpu: .*climbs out with '..'"):
-            ip.run_line_magic("rgpu", "ls ../")
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+    srv = start_server("--data-dir", str(tmp_path))
+    ip.run_line_magic("rgpu", f"connect {srv.url}")
+    capsys.readouterr()
+    ip.run_line_magic("rgpu", "ls")
+    assert capsys.readouterr().out.splitlines() == ["2.9 KiB  data.bin", "      -  model/"]
+    ip.run_line_magic("rgpu", "ls model")
+    assert capsys.readouterr().out.splitlines() == ["2 B  config.json"]
+    with pytest.raises(UsageError, match="rgpu: .*climbs out with '..'"):
+        ip.run_line_magic("rgpu", "ls ../")
 
 
-def test_named_sessions_from_the_notebook(ip, capsys):
-    from rgpu_test_servers import ServerProcess
-
-    srv = ServerProcess()
+def test_named_sessions_from_the_notebook(ip, capsys, start_server):
+    srv = start_server()
     try:
         ip.run_line_magic("rgpu", f"connect {srv.url} --session nb1")
         out = capsys.readouterr().out.splitlines()
@@ -474,7 +466,6 @@ def test_named_sessions_from_the_notebook(ip, capsys):
             ip.run_line_magic("rgpu", "status --session x")
     finally:
         rgpu.disconnect(drop=True)
-        srv.stop()
 
 
 def test_a_server_failure_names_the_cell_and_line_that_queued_it(connected, capsys):

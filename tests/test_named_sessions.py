@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from rgpu_test_servers import TOKEN_FOR_TESTS, ServerProcess
+from rgpu_test_servers import TOKEN_FOR_TESTS
 
 import rgpu
 
@@ -89,18 +89,8 @@ def _first_line(done: subprocess.CompletedProcess):
 
 
 @pytest.fixture
-def own_server(tmp_path):
-    servers = []
-
-    def make(*extra: str) -> ServerProcess:
-        srv = ServerProcess(*extra)
-        servers.append(srv)
-        return srv
-
-    yield make
-    rgpu.disconnect()
-    for srv in servers:
-        srv.stop()
+def own_server(start_server):
+    return start_server
 
 
 def test_a_killed_client_is_followed_by_one_that_continues_bit_for_bit(own_server):

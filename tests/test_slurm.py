@@ -22,7 +22,6 @@ import slurm_cluster
 import ssh_host
 import torch
 import torch.nn.functional as F
-from rgpu_test_servers import ServerProcess
 from slurm_cluster import NODE, SlurmCluster
 from ssh_host import SshHost, accepts, free_port
 
@@ -175,24 +174,20 @@ def test_slurm_urls_scripts_and_squeue_lines_parse():
     assert "--device 'cuda; rm -rf ~'" in script and "--idle-exit 60" in script
 
 
-def test_idle_exit_stops_a_server_its_client_no_longer_uses(server):
+def test_idle_exit_stops_a_server_its_client_no_longer_uses(server, start_server):
     rgpu.connect(server.url)  # (the first connect of a process warms up torch for a while)
-    srv = ServerProcess("--idle-exit", "3")
-    try:
-        session = rgpu.connect(srv.url)
-        for _ in range(5):  # in use: it stays
-            assert torch.ones(2, device="rgpu").sum().item() == 2
-            time.sleep(1)
-        assert srv.proc.poll() is None
-        t0 = time.time()
-        assert srv.proc.wait(15) == 0 and 2 < time.time() - t0 < 8
-        assert "no client used this server for 3 s (--idle-exit)" in srv.wait_log("idle")
-        with pytest.raises(rgpu.ConnectionLost, match="shut down"):
-            torch.ones(2, device="rgpu").sum().item()
-        assert session.state == "lost"
-    finally:
-        rgpu.disconnect()
-        srv.stop()
+    srv = start_server("--idle-exit", "3")
+    session = rgpu.connect(srv.url)
+    for _ in range(5):  # in use: it stays
+        assert torch.ones(2, device="rgpu").sum().item() == 2
+        time.sleep(1)
+    assert srv.proc.poll() is None
+    t0 = time.time()
+    assert srv.proc.wait(15) == 0 and 2 < time.time() - t0 < 8
+    assert "no client used this server for 3 s (--idle-exit)" in srv.wait_log("idle")
+    with pytest.raises(rgpu.ConnectionLost, match="shut down"):
+        torch.ones(2, device="rgpu").sum().item()
+    assert session.state == "lost"
 
 
 def test_idle_exit_waits_less_for_a_first_client_that_never_comes():
@@ -200,8 +195,12 @@ def test_idle_exit_waits_less_for_a_first_client_that_never_comes():
     `first` seconds rather than the whole idle time."""
     from rgpu_server import idle
 
+    class Registry:
+        def sessions(self) -> list:
+            return []
+
     class Server:
-        sessions: dict = {}
+        registry = Registry()
         stopped_at = None
 
         def stop(self):

@@ -25,7 +25,7 @@ from rgpu_protocol import DEFAULT_LIMITS
 from . import __version__, idle
 from .app import LOOPBACK, RgpuServer, ServerConfig
 from .datadirs import DataRoots, parse_root
-from .devices import pick_device
+from .multidevice import pick_devices
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         default="auto",
-        help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)",
+        help="cpu, cuda (every visible GPU, as rgpu:0..N-1), cuda:N or mps (default: cuda when "
+        "available, else cpu)",
+    )
+    p.add_argument(
+        "--devices",
+        default=None,
+        metavar="LIST",
+        help="the devices to serve, in rgpu index order, e.g. cuda:0,cuda:2 (instead of --device)",
+    )
+    p.add_argument(
+        "--virtual-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --device cpu: serve N rgpu devices that all compute on the CPU (tests, demos, "
+        "DistributedDataParallel with gloo)",
     )
     p.add_argument(
         "--log-level",
@@ -254,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"rgpu-server: {e}", file=sys.stderr)
         return 2
-    device = pick_device(args.device)
+    devices = pick_devices(args.device, args.devices, args.virtual_devices)
+    device = devices[0]
     if args.preload_inductor:
         preload_inductor(device)
     limits = replace(DEFAULT_LIMITS, max_message=max(args.max_message_mb, 1) << 20)
@@ -262,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         device=device,
+        devices=tuple(devices),
         limits=limits,
         token=token,
         certfile=args.certfile,

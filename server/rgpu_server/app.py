@@ -8,11 +8,8 @@ link drops reconnects, resumes the session by id and replays what the server had
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import http
 import logging
-import ssl
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +37,9 @@ from rgpu_protocol.handshake import (
     refuse_closing,
     refuse_protocol,
 )
-from rgpu_protocol.lane import KEY_HEADER, LANE_PATH, SESSION_HEADER
+from rgpu_protocol.lane import LANE_PATH, SESSION_HEADER
 
-from . import __version__
+from . import __version__, admission, multidevice, peers
 from .datadirs import DataRoots
 from .devices import device_name
 from .durable import DurableStore
@@ -57,11 +54,6 @@ _CANCEL = bytes((Frame.CANCEL,))
 _PEEK = bytes((Frame.PEEK,))
 MAX_BACKLOG = 256 << 20  # bytes received but not yet executed, per session, before reading pauses
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def owner_of(token: str) -> str:
-    """Who a token is, as sessions and the state directory record it (never the token)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -82,6 +74,11 @@ class ServerConfig:
     quota: int | None = None  # bytes of tensor storage one session may hold
     profile_dir: str | None = None  # a cProfile dump per session goes here (developer aid)
     data: DataRoots | None = None  # --data-dir roots (files.py)
+    devices: tuple[torch.device, ...] = ()  # every device, by rgpu index (empty: just `device`)
+
+    @property
+    def all_devices(self) -> tuple[torch.device, ...]:
+        return self.devices or (self.device,)
 
 
 class RgpuServer:
@@ -107,6 +104,8 @@ class RgpuServer:
         self._connections: set[ServerConnection] = set()
         self._closing = False
         self._lanes: set[ServerLane] = set()
+        self.server_id = secrets.token_bytes(8)  # lets a client see two URLs are one server
+        self.described = multidevice.describe(config.all_devices)
 
     @property
     def scheme(self) -> str:
@@ -139,63 +138,13 @@ class RgpuServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
 
-    def _ssl_context(self) -> ssl.SSLContext | None:
-        if not self.config.certfile:
-            return None
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(self.config.certfile, self.config.keyfile)
-        return ctx
-
     def _authorize(self, connection: ServerConnection, request):
-        """Refuse a missing or wrong token before any session exists (constant-time compare)."""
-        if request.headers.get("Origin") is not None:
-            # rgpu clients never send one; browsers always do: refuse pages that a user's browser
-            # visits from talking to this server (cross-site websocket hijacking)
-            return connection.respond(
-                http.HTTPStatus.FORBIDDEN, "rgpu-server: browsers may not connect\n"
-            )
-        if self.config.token is None:
-            return self._authorize_lane(connection, request)
-        header = request.headers.get("Authorization", "")
-        given = header[7:] if header.startswith("Bearer ") else ""
-        matched = None
-        for token in (self.config.token, *self.config.tokens):
-            if hmac.compare_digest(given.encode(), token.encode()):
-                matched = token
-        if matched is None:
-            peer = (
-                "{}:{}".format(*connection.remote_address[:2]) if connection.remote_address else "?"
-            )
-            log.warning("refused %s: %s token", peer, "wrong" if given else "no")
-            return connection.respond(
-                http.HTTPStatus.UNAUTHORIZED,
-                "rgpu-server: missing or wrong token. Pass it with rgpu.connect(url, token=...), "
-                "RGPU_TOKEN, or ?token=... in the URL.\n",
-            )
-        connection.rgpu_owner = owner_of(matched)  # whose sessions this connection may reach
-        return self._authorize_lane(connection, request)
-
-    def _authorize_lane(self, connection: ServerConnection, request):
-        """A lane must name a live session and carry that session's lane key."""
-        if request.path.split("?")[0] != LANE_PATH:
-            return None
-        try:
-            session = self.registry.by_id.get(
-                bytes.fromhex(request.headers.get(SESSION_HEADER, ""))
-            )
-            key = bytes.fromhex(request.headers.get(KEY_HEADER, ""))
-        except ValueError:
-            session, key = None, b""
-        if session is None or session.ended or not hmac.compare_digest(key, session.lane_key):
-            return connection.respond(
-                http.HTTPStatus.FORBIDDEN,
-                "rgpu-server: a lane needs the id and lane key of a live session\n",
-            )
-        return None
+        return admission.authorize(self.config.token, self.config.tokens, self.registry,
+                                   connection, request)  # fmt: skip
 
     async def run(self, on_ready=None) -> None:
         self._loop = asyncio.get_running_loop()
+        peers.EXPORTS.loop = self._loop
         self.registry.loop = self._loop
         self.registry.close = lambda ws, code, reason: asyncio.ensure_future(
             ws.close(code, reason[:120])
@@ -207,7 +156,7 @@ class RgpuServer:
             self._handle,
             self.config.host,
             self.config.port,
-            ssl=self._ssl_context(),
+            ssl=admission.ssl_context(self.config.certfile, self.config.keyfile),
             process_request=self._authorize,
             compression=None,
             max_size=limits.max_message,
@@ -218,8 +167,10 @@ class RgpuServer:
         ) as server:
             self.port = next(iter(server.sockets)).getsockname()[1]
             log.info(
-                "rgpu-server %s listening on %s (device %s: %s, torch %s)",
-                __version__, self.url, self.config.device, device_name(self.config.device), torch.__version__,
+                "rgpu-server %s listening on %s (%s, torch %s)", __version__, self.url,
+                f"device {self.described[0][0]}: {self.described[0][1]}" if len(self.described) == 1
+                else "; ".join(f"rgpu:{i} = {d}: {n}" for i, (d, n) in enumerate(self.described)),
+                torch.__version__,
             )  # fmt: skip
             if on_ready is not None:
                 on_ready(self)
@@ -268,6 +219,9 @@ class RgpuServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         peer = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
+        if ws.request is not None and peers.is_peer(ws.request):
+            await peers.serve_peer(ws, peer)
+            return
         if ws.request is not None and ws.request.path.split("?")[0] == LANE_PATH:
             session = self.registry.by_id.get(bytes.fromhex(ws.request.headers[SESSION_HEADER]))
             if session is not None and not session.ended:
@@ -343,6 +297,8 @@ class RgpuServer:
             attached=opened.attached,
             kept=tuple(sorted(session.kept)),
             peek=True,
+            devices=self.described,
+            server_id=self.server_id,
         )
         await ws.send(welcome.frame())
         old_ws = self.registry.connection.get(session.id)
@@ -426,6 +382,7 @@ class RgpuServer:
             owner=owner,
             name=name,
         )
+        multidevice.setup(session, self.config.all_devices)
         session.server_info = self.info
         session.data = self.config.data
         session.registry = self.registry

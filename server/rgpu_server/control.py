@@ -9,12 +9,13 @@ import torch
 
 from rgpu_protocol import Status, byte_view
 
+from . import multidevice
 from .poison import describe
 from .state import SessionState
 
 
 def seed(s: SessionState, seq: int, msg: list) -> None:
-    s.generator.manual_seed(msg[1] & 0xFFFF_FFFF_FFFF_FFFF)
+    multidevice.seed(s, msg[1], msg[2] if len(msg) > 2 else None)
 
 
 def sync(s: SessionState, seq: int, msg: list) -> None:
@@ -30,7 +31,9 @@ def sync(s: SessionState, seq: int, msg: list) -> None:
 
 def info(s: SessionState, seq: int, msg: list) -> None:
     if not s.error_pending(seq):
-        s.reply(seq, Status.OK, s.info())
+        value = s.info()
+        value["device_bytes"] = multidevice.memory_by_device(s)  # per device index
+        s.reply(seq, Status.OK, value)
 
 
 def rng_get(s: SessionState, seq: int, msg: list) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from rgpu_protocol import ProtocolError, TensorMeta, storage_span
+from rgpu_protocol import ProtocolError
 
 from . import graphs, rng
 from .poison import Poison, describe
@@ -63,29 +63,14 @@ def call_graph(s: SessionState, seq: int, msg: list) -> None:
     if len(result) != len(outs):
         s.fail(label, f"graph returned {len(result)} values, client expected {len(outs)}", outs)
         return
-    for i, v, layout in zip(outs, result, graph.layouts):
+    for i, v in zip(outs, result):
         if i is not None:
             if type(i) is not int:
                 raise ProtocolError("output ids must be integers or null")
             if isinstance(v, torch.Tensor):
-                s.tensors[i] = v if layout is None else conform(v, layout)
+                s.tensors[i] = v
     if s.quota is not None:
         s.charge(label, outs)
-
-
-def conform(v: torch.Tensor, layout: TensorMeta) -> torch.Tensor:
-    """The output in the layout the client predicted from its trace. A compiler may choose
-    another one (Inductor, for an activation saved for backward); the client addresses views
-    by strides, and the next graph assumes the traced layout, so the server honours it."""
-    if v.stride() == layout.stride and v.storage_offset() == layout.offset:
-        return v
-    if tuple(v.shape) != layout.shape:
-        raise RuntimeError(f"a compiled graph returned shape {list(v.shape)}, traced as "
-                           f"{list(layout.shape)}")  # fmt: skip
-    span = storage_span(layout.shape, layout.stride, layout.offset)
-    out = torch.empty(span, dtype=v.dtype, device=v.device)
-    out = out.as_strided(layout.shape, layout.stride, layout.offset)
-    return out.copy_(v)
 
 
 def _run(s: SessionState, graph: graphs.Graph, inputs: list) -> Any:

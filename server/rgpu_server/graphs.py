@@ -28,7 +28,6 @@ from rgpu_protocol import (
     NodeRef,
     NodeTag,
     ProtocolError,
-    TensorMeta,
 )
 
 from .ops import OpRefused, resolve
@@ -99,7 +98,6 @@ class Graph:
     n_nodes: int
     seeded: bool  # has random ops: run with the session's RNG state swapped in
     compiler: str
-    layouts: tuple  # per output: the TensorMeta the client predicted for it, or None
     gm: Any = None  # the FX graph itself: run op by op if Inductor cannot compile it
 
 
@@ -125,14 +123,14 @@ class GraphCache:
             if hit is not None:
                 self.reused += 1
                 return hit
-        gm, seeded, layouts = build(nodes, device)
+        gm, seeded = build(nodes, device)
         fn: Any = gm
         if compiler == "inductor":
             # not fullgraph=True: its check shares one process-wide counter with every other
             # compiled call, so two sessions' calls at once made it fail spuriously; a graph of
             # aten calls has nothing to break on anyway. (Compiling happens at the first call.)
             fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
-        graph = Graph(key, fn, len(nodes), seeded, compiler, layouts, gm)
+        graph = Graph(key, fn, len(nodes), seeded, compiler, gm)
         with self._lock:
             self._graphs.setdefault(key, graph)
             self.built += 1
@@ -165,9 +163,9 @@ class GraphCache:
 CACHE = GraphCache()
 
 
-def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool, tuple]:
-    """The FX graph a node list describes; ops are resolved by name like single ops. Also: has
-    it random ops, and the layout the client predicted for each output."""
+def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool]:
+    """The FX graph a node list describes (and whether it has random ops); ops are resolved by
+    name like single ops."""
     if type(nodes) is not list or not nodes or len(nodes) > MAX_NODES:
         raise ProtocolError("a graph is a non-empty list of nodes")
     graph = torch.fx.Graph()
@@ -219,14 +217,8 @@ def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool,
                 raise ProtocolError(f"graph node {i}: a constant is a small CPU tensor")
             root.register_buffer(f"k{i}", constant)
             made.append(graph.get_attr(f"k{i}"))
-        elif kind == NodeTag.OUTPUT and len(node) in (2, 3) and type(node[1]) is list:
+        elif kind == NodeTag.OUTPUT and len(node) == 2 and type(node[1]) is list:
             outputs = tuple(arg(node[1]))
-            layouts = tuple(node[2]) if len(node) == 3 else (None,) * len(outputs)
-            if len(layouts) != len(outputs) or any(
-                m is not None and (type(m) is not TensorMeta or len(m.shape) != len(m.stride))
-                for m in layouts
-            ):
-                raise ProtocolError("a graph's output layouts are one TensorMeta or nil per output")
             graph.output(outputs)
             made.append(None)
         else:
@@ -234,7 +226,7 @@ def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool,
     if outputs is None:
         raise ProtocolError("a graph needs an output node")
     graph.lint()
-    return torch.fx.GraphModule(root, graph), seeded, layouts
+    return torch.fx.GraphModule(root, graph), seeded
 
 
 class GraphRefused(Exception):

@@ -11,7 +11,18 @@ from typing import Any
 
 from rgpu_protocol import SPECS, Kind
 
-from . import control, execute, files, graph_messages, keeping, replay, transfers
+from . import (
+    collectives,
+    control,
+    execute,
+    files,
+    graph_messages,
+    keeping,
+    multidevice,
+    peers,
+    replay,
+    transfers,
+)
 from .state import SessionState
 
 Handler = Callable[[SessionState, int, list], None]
@@ -45,6 +56,11 @@ HANDLERS: dict[int, Handler] = {
     Kind.FORGET: keeping.forget,
     Kind.SESSIONS: keeping.sessions,
     Kind.DROP_SESSION: keeping.drop_session,
+    Kind.DEVICE: multidevice.device,
+    Kind.GROUP: collectives.group,
+    Kind.COLLECTIVE: collectives.collective,
+    Kind.EXPORT: peers.export,
+    Kind.IMPORT: peers.import_,
 }
 
 

@@ -24,7 +24,7 @@ FIRST_CLIENT_S = 300.0
 def activity(server) -> tuple:
     """What changes whenever a client uses the server: its sessions, the bytes their workers
     took in, and whether any worker is busy."""
-    sessions = list(server.sessions.values())
+    sessions = server.registry.sessions()
     return (
         frozenset(s.id for s in sessions),
         sum(s.processed for s in sessions),

@@ -33,6 +33,7 @@ from rgpu_protocol import (
 from rgpu_protocol.codec import Device
 from rgpu_protocol.server_stream import Action, ServerStream, UploadAborted
 
+from . import multidevice
 from .handlers import HANDLERS, cancel_message, discard_chunks
 from .poison import Poison, describe
 from .state import SessionState
@@ -125,6 +126,8 @@ class Session(SessionState):
     # -- the worker --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # the thread's CUDA device is its session's device 0
+            torch.cuda.set_device(self.device)
         profile_dir = self._profile_dir
         if profile_dir:
             import cProfile
@@ -181,6 +184,7 @@ class Session(SessionState):
             self.ended = True
             self.tensors.clear()
             self.kept.clear()
+            self.groups.clear()
             self.stream.forget_replies()
             self.staged.clear()
             if self.lane is not None:
@@ -188,6 +192,7 @@ class Session(SessionState):
 
     def _fresh_stream(self) -> None:
         self.tensors = {}
+        multidevice.reset(self)
         self.stream = ServerStream(self.limits)
         self.first_error = None
         self.sequences = {}
@@ -284,7 +289,7 @@ class Session(SessionState):
 
     def _device(self, name: str) -> torch.device:
         if name == "rgpu" or name.startswith("rgpu:"):
-            return self.device
+            return self.device if len(self.devices) == 1 else multidevice.index_of(self, name)
         if name in ("cpu", "meta"):
             return torch.device(name)
         raise ProtocolError(f"unknown device {name!r}; the client may name rgpu, cpu or meta")

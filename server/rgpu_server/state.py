@@ -55,6 +55,12 @@ class SessionState:
         self.started = time.time()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(DEFAULT_SEED)
+        # several devices (multidevice.py): messages run on devices[device_index], with its
+        # generator; `device` and `generator` are always the current device's
+        self.devices: tuple[torch.device, ...] = (device,)
+        self.device_index = 0
+        self.generators: list[torch.Generator] = [self.generator]
+        self.groups: dict[str, Any] = {}  # collective groups this session joined (collectives.py)
         self.send: Callable[[list], None] | None = None  # set by the connection
         self.server_info: Callable[[], dict] | None = None  # facts about the whole server, for INFO
         self.pinned: torch.Tensor | None = None  # staging for chunks on their way to a GPU
