@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from report_more import section_ab, section_files, section_hf
+from report_more import section_ab, section_files, section_hf, section_replay
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -41,6 +41,7 @@ SUITE: dict[str, tuple[str, list[str]]] = {
     "hf": ("ours", ["bench_hf.py"]),
     "ab": ("ours", ["ab_per_op.py", "7b6ef75", "HEAD", "--rounds", "3"]),
     "devices": ("ours", ["bench_devices.py"]),
+    "replay": ("ours", ["bench_replay.py"]),
     "published-core": ("published", ["bench_published.py"]),
     "published-latency": ("published", ["bench_latency.py", "--published", "--steps", "3"]),
 }
@@ -362,7 +363,12 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
         png = plot_latency(lat, published, plots)
         link = os.path.relpath(png, out.parent)
         lines += section_latency(lat, published, link)
-    for name, section in (("files", section_files), ("hf", section_hf), ("ab", section_ab)):
+    for name, section in (
+        ("files", section_files),
+        ("hf", section_hf),
+        ("ab", section_ab),
+        ("replay", section_replay),
+    ):
         doc = load(name)
         if doc:
             lines += section(doc)

@@ -1,5 +1,6 @@
 """BENCHMARKS.md sections for the second milestone's benchmarks: files on the server
-(bench_files.py), Hugging Face models (bench_hf.py) and the per-op A/B (ab_per_op.py).
+(bench_files.py), Hugging Face models (bench_hf.py), the per-op A/B (ab_per_op.py) and
+replayed steps (bench_replay.py).
 
 Kept apart from report.py so each stays one screenful of formatting per benchmark."""
 
@@ -144,3 +145,50 @@ def section_ab(doc: dict[str, Any]) -> list[str]:
         )
     lines.append("")
     return lines
+
+
+def section_replay(doc: dict[str, Any]) -> list[str]:
+    """bench_replay.py: plain RUNs against replayed steps, taking turns in one session."""
+    po = doc["per_op"]
+    pl, rp = po["plain"], po["replayed"]
+    lines = [
+        "## Replayed steps (`bench_replay.py`)",
+        "",
+        f"{po['workload']}; plain RUNs and replayed steps (`rgpu.settings.replay`) take turns "
+        "in one session, next to the same loop on local CPU torch. Overhead: server CPU per op "
+        "above the local op's own CPU time.",
+        "",
+        "| per op | server CPU µs | overhead µs | client CPU µs | wall µs | messages/op |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| local CPU torch | {_f(_med(po['local_cpu_us_per_op']))} | – | – | – | – |",
+    ]
+    for name, r in (("plain RUNs", pl), ("replayed", rp)):
+        lines.append(
+            f"| {name} | {_f(_med(r['server_cpu_us_per_op']))} | "
+            f"{_f(r['server_overhead_us_per_op'])} | {_f(_med(r['client_cpu_us_per_op']))} | "
+            f"{_f(_med(r['wall_us_per_op']))} | {r['messages_per_op']:.4f} |"
+        )
+    lines += [
+        "",
+        f"Replayed overhead ÷ plain: {_f(po['server_overhead_replayed_over_plain'])} (target "
+        f"≤ {po['target_overhead_ratio']:.2f}: {_yes(po['meets_target'])}).",
+        "",
+        "| workload | mode | ms/unit | client CPU ms | server CPU ms | messages | waits "
+        "| replayed ops | same reads |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for group, unit in (("training", "step"), ("decode", "call")):
+        for name, r in doc.get(group, {}).items():
+            label = f"{name} ({group}, per {unit})"
+            for mode in ("plain", "replayed"):
+                m = r[mode]
+                lines.append(
+                    f"| {label} | {mode} | {_f(_med(m[f'ms_per_{unit}']), 1)} | "
+                    f"{_f(_med(m[f'client_cpu_ms_per_{unit}']), 1)} | "
+                    f"{_f(_med(m[f'server_cpu_ms_per_{unit}']), 1)} | "
+                    f"{m[f'messages_per_{unit}'][-1]} | {m[f'waits_per_{unit}'][-1]} | "
+                    f"{m[f'replayed_ops_per_{unit}'][-1]} | "
+                    f"{_yes(r['plain_and_replayed_read_the_same'])} |"
+                )
+                label = ""
+    return lines + [""]
