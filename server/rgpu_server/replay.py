@@ -16,7 +16,7 @@ CANCEL reaching the REPLAY while it runs cancels its remaining ops, as it would 
 CUDA graph capture of a sequence is not built: it needs static input and output addresses
 (outputs would live in the graph's pool and be overwritten by the next replay, so every output a
 client keeps would need a copy), no host syncs inside, and per-op failure semantics that a graph
-cannot give; docs/architecture.md, "Replayed sequences", says what it would take.
+cannot give; docs/architecture.md, "Replayed steps", says what it would take.
 """
 
 from __future__ import annotations
