@@ -26,6 +26,8 @@ and params are re-checked against the template before a REPLAY goes out.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +35,14 @@ import msgpack
 
 from rgpu_protocol import MAX_SEQUENCE_OPS, Kind, SlotKind, slot_ext, slot_view_ext
 
+from .errors import RgpuError
 from .sequences import MIN_OPS, Library, OpRec, Template
 from .tensor import RemoteTensor
 
 _RUN = int(Kind.RUN)
 _REPLAY = int(Kind.REPLAY)
 IDLE, RECORD, MATCH, PLAIN = 0, 1, 2, 3  # between segments; learning; replaying; sending RUNs
+log = logging.getLogger("rgpu")
 BARREN_LIMIT = 4  # recorded segments in a row that taught nothing before recording backs off
 MAX_BACKOFF = 64  # segments left unrecorded at most, between recordings, when nothing repeats
 
@@ -65,6 +69,9 @@ class Replayer:
         self._backoff = 0
         self._barren = 0
         self.sent = False  # a REPLAY went out during the last `take`
+        self.commits = 0  # ops held so far (`failed` tells a held op from one to queue)
+        _REPLAYERS.add(self)
+        _watch_optimizers()
         self.device = 0  # the device the segment's ops run on (a device change ends it)
         self._reset()
 
@@ -169,6 +176,7 @@ class Replayer:
                         if self.session.record_sites:
                             self.held_sites.append(self.session.sites.here())
                         held.append(None)  # the commit
+                        self.commits += 1
                         w = w[0]
                         if w is not None and w > self.max_off:
                             self.max_off = w
@@ -229,6 +237,7 @@ class Replayer:
         if self.session.record_sites:
             self.held_sites.append(self.session.sites.here())
         self.held.append(op.params(rel) if op.mask else None)  # the commit
+        self.commits += 1
         for w in op.outs:
             if w is not None and w > self.max_off:
                 self.max_off = w
@@ -255,7 +264,7 @@ class Replayer:
         except Exception:
             offs = None
         if offs is None or len(rec) >= MAX_SEQUENCE_OPS:
-            self.rec = None
+            self.mode, self.rec = PLAIN, None  # too long or odd to learn: the rest goes as it is
             return
         rec.append(OpRec(rel, offs, len(self.ext_ids)))
         for w in offs:
@@ -318,9 +327,57 @@ class Replayer:
                     self._quiet_until = self.segments + self._backoff
         self._reset()
 
+    def mark(self) -> None:
+        """A step ended (an optimizer's `step()` returned): so does the segment."""
+        if self.mode != IDLE:
+            with self.session.lock:
+                self.end()
+
+    def failed(self, exc: BaseException, commits: int) -> bool:
+        """`take` raised (a bug here, not the user's: `commits` is `self.commits` before it):
+        turn replaying off for this session and send what is held; the ops after it go as RUNs.
+        True when the op itself was held (and so is sent now). If what is held cannot be sent,
+        the session is marked broken: ops lost without an error would be wrong numbers."""
+        log.warning("rgpu: replayed steps turned off for this session after an internal error "
+                    "(%r); every op goes as it is from here", exc)  # fmt: skip
+        self.on = False
+        try:
+            self.end()
+        except Exception as e:
+            self.held = []
+            self._reset()
+            self.session.mark_broken(RgpuError(
+                f"rgpu lost ops it held for a replayed step ({e!r}); this session's results can "
+                "no longer be trusted. Call rgpu.connect() again, with RGPU_REPLAY=0, and please "
+                "report this."))  # fmt: skip
+            self.session.check_usable()
+        return self.commits != commits
+
     def set_enabled(self, on: bool) -> None:
         """Turn replaying on or off (`rgpu.settings.replay`); what is held goes out first."""
         with self.session.lock:
             if not on:
                 self.end()
             self.on = on
+
+
+_REPLAYERS: weakref.WeakSet = weakref.WeakSet()  # every session's, for the optimizer hook
+_watching = False
+
+
+def _watch_optimizers() -> None:
+    """An optimizer's `step()` ends a training step, so it ends the segment too: a loop that
+    never waits (the advice: read the loss every N steps) still repeats segment by segment.
+    One hook for every optimizer (torch's global step hook), added with the first session."""
+    global _watching
+    if not _watching:
+        _watching = True
+        from torch.optim.optimizer import register_optimizer_step_post_hook  # torch is up now
+
+        register_optimizer_step_post_hook(_step_done)
+
+
+def _step_done(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for replayer in list(_REPLAYERS):
+        if replayer.on:
+            replayer.mark()

@@ -323,7 +323,8 @@ def test_live_counts_follow_a_real_cell_while_it_runs(dev):
     assert len(moving) >= 3 and moving == sorted(moving)
     (row,) = acc.recent()
     assert row.waits == steps  # exactly one wait per .item()
-    assert row.messages >= 23 * steps
+    # a step: its 21 ops (once it repeats, one REPLAY for them), the .item() and frees
+    assert row.messages >= 2 * steps
     assert span(w.live.value, "server") == rgpu.current_session().url
 
 

@@ -267,3 +267,61 @@ def test_a_transformers_decode_loop_gives_the_same_tokens_replayed(sess):
         assert replayed == plain == cpu
     # a dynamic KV cache grows each token: the views into it differ from token to token, so
     # little of a decode step repeats byte for byte (what does is replayed)
+
+
+def test_a_loop_that_never_waits_replays_step_by_step(sess, monkeypatch):
+    """No wait and no upload inside the loop (the advice): optimizer.step() ends each step."""
+
+    def run(device: str) -> list[float]:
+        torch.manual_seed(0)
+        model = seed_mlp().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = torch.randn(64, 16).to(device), torch.randn(64, 1).to(device)
+        total = torch.zeros((), device=device)
+        for _ in range(40):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            total += loss.detach()
+        return [total.item()]
+
+    ops0 = rgpu.stats()["replayed_ops"]
+    cpu, plain, replayed = cpu_and_rgpu(run)
+    assert replayed == plain == cpu
+    assert rgpu.stats()["replayed_ops"] - ops0 > 30 * 15
+
+
+def test_an_internal_error_turns_replay_off_and_loses_no_op(sess, monkeypatch, caplog):
+    def run(device: str) -> list[float]:
+        w = torch.linspace(0, 1, 32, device=device)
+        out = []
+        for _ in range(8):
+            w = (w * 1.5).sin().add(1).log().mul(0.5).add(w).tanh().mul(2).sub(0.1)
+            out.append(w.sum().item())
+        return out
+
+    cpu, plain, _ = cpu_and_rgpu(run)
+    replayer = sess.replay
+    for when in ("before", "after"):  # the op not yet held, or held already
+        rgpu.settings.replay = True
+        calls = {"n": 0}
+        take = type(replayer).take
+
+        def flaky(msg, when=when, calls=calls, take=take):
+            calls["n"] += 1
+            fail = calls["n"] == 30  # mid-way through a replayed step (the third), ops held
+            if fail and when == "before":
+                raise AssertionError("a bug in replaying")
+            held = take(replayer, msg)
+            if fail:
+                assert held
+                raise AssertionError("a bug in replaying")
+            return held
+
+        monkeypatch.setattr(replayer, "take", flaky)
+        ops0 = rgpu.stats()["replayed_ops"]
+        assert run("rgpu") == plain == cpu
+        assert calls["n"] == 30 and not replayer.on  # off from the failure on
+        assert rgpu.stats()["replayed_ops"] > ops0
+        assert "replayed steps turned off" in caplog.text
