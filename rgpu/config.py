@@ -135,8 +135,8 @@ FIELDS: dict[str, Setting] = {
                                "content"),
     "progress_bytes": Setting("RGPU_PROGRESS_BYTES", _count, "transfers of at least this many "
                               "bytes show a progress bar (0: never)"),
-    "replay": Setting("RGPU_REPLAY", _flag, "0: send every op as it is, never as a replayed "
-                      "sequence (a repeated step sent once, then one message per repetition)"),
+    "replay": Setting("RGPU_REPLAY", _flag, "1: replayed steps (a repeated step sent once, then "
+                      "one message per repetition); 0: every op as it is"),
     "generate_lookahead": Setting("RGPU_GENERATE_LOOKAHEAD", _count, "decode steps a Hugging "
                                   "Face generate() runs ahead of its stop check (0: one wait "
                                   "per token)"),
@@ -167,7 +167,7 @@ class Config:
     dedup: bool = True
     dedup_min_bytes: int = 4096
     progress_bytes: int = 64 << 20
-    replay: bool = True
+    replay: bool = False  # off until it saves CPU as well as messages (BENCHMARKS.md, replay)
     generate_lookahead: int = 8
 
     @classmethod

@@ -48,7 +48,7 @@ class Settings:
     def replay(self) -> bool | None:
         """Replayed steps (rgpu.replay): a repeated op sequence goes to the server once, then one
         message per repetition. False sends every op as it is. Until set here (None), each
-        session's RGPU_REPLAY decides (on by default)."""
+        session's RGPU_REPLAY decides (off by default)."""
         return self._replay
 
     @replay.setter

@@ -35,12 +35,17 @@ def one_thread():
     srv.stop()
 
 
+@pytest.fixture(autouse=True)
+def replay_on():
+    rgpu.settings.replay = True  # off by default
+    yield
+    rgpu.settings.replay = None  # each session's RGPU_REPLAY again
+    rgpu.settings.op_sites = False
+
+
 @pytest.fixture
 def sess(one_thread):
-    s = rgpu.connect(one_thread.url)
-    yield s
-    rgpu.settings.replay = None
-    rgpu.settings.op_sites = False
+    return rgpu.connect(one_thread.url)
 
 
 def replaying(on: bool) -> None:
@@ -269,12 +274,19 @@ def test_a_train_step_and_an_eval_step_with_the_same_first_op_both_replay(sess):
     assert all(n > 0 for n in ops[-6:]), ops  # both kinds of step replay once learned
 
 
-def test_replay_off_by_environment_and_by_setting(one_thread, monkeypatch):
-    monkeypatch.setenv("RGPU_REPLAY", "0")
-    rgpu.connect(one_thread.url)
+def test_replay_by_environment_and_by_setting(one_thread, monkeypatch):
+    rgpu.settings.replay = None
+    monkeypatch.delenv("RGPU_REPLAY", raising=False)
+    rgpu.connect(one_thread.url)  # off by default
     assert [mlp_steps() for _ in range(5)][-1] == mlp_steps()
     assert rgpu.stats()["replayed_ops"] == 0
-    monkeypatch.delenv("RGPU_REPLAY")
+    monkeypatch.setenv("RGPU_REPLAY", "0")
+    rgpu.connect(one_thread.url)
+    rgpu.settings.replay = True  # the setting wins over the environment
+    for _ in range(5):
+        mlp_steps()
+    assert rgpu.stats()["replayed_ops"] > 0
+    monkeypatch.setenv("RGPU_REPLAY", "1")
     rgpu.connect(one_thread.url)
     rgpu.settings.replay = False
     for _ in range(5):

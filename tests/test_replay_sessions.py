@@ -39,6 +39,7 @@ def one_thread():
 
 @pytest.fixture(autouse=True)
 def replay_setting_back():
+    rgpu.settings.replay = True  # off by default
     yield
     rgpu.settings.replay = None  # each session's RGPU_REPLAY again
 
@@ -159,7 +160,7 @@ if __name__ == "__main__":
 def test_two_sessions_on_one_server_keep_their_own_sequences(one_thread, tmp_path):
     script = tmp_path / "scaled.py"
     script.write_text(SCALED)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "RGPU_REPLAY": "1"}
     runs = [subprocess.Popen([sys.executable, str(script), one_thread.url, scale], env=env,
                              stdout=subprocess.PIPE, text=True) for scale in ("1.5", "0.5")]  # fmt: skip
     outs = [p.communicate(timeout=120)[0].splitlines() for p in runs]
@@ -304,7 +305,7 @@ def test_an_internal_error_turns_replay_off_and_loses_no_op(sess, monkeypatch, c
     cpu, plain, _ = cpu_and_rgpu(run)
     replayer = sess.replay
     for when in ("before", "after"):  # the op not yet held, or held already
-        rgpu.settings.replay = True
+        rgpu.settings.replay = True  # again: the first failure turned it off
         calls = {"n": 0}
         take = type(replayer).take
 
