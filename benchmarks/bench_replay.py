@@ -10,7 +10,10 @@ survive this noisy shared 2-core machine. Workloads: a loop of `x = x + 1` (serv
 TinyLM training with AdamW and dropout, and when transformers is installed a GPT-2 and a Llama
 training step and greedy decoding.
 
-    python benchmarks/bench_replay.py [--out FILE.json] [--repeats 5] [--pin]
+    python benchmarks/bench_replay.py [--out FILE.json] [--repeats 5] [--steps 5] [--pin]
+
+Counts are per step (per generate call for decoding) and include the synchronize that closes
+each measured repeat (waits per step: 1 + 1 / steps).
 """
 
 from __future__ import annotations
@@ -88,20 +91,21 @@ def _turns(
     return out
 
 
-def _rows(turns: dict[str, list[dict[str, Any]]], unit: str) -> dict[str, Any]:
-    """Per mode: every repeat's numbers, and the counters of its last repeat per `unit`."""
+def _rows(turns: dict[str, list[dict[str, Any]]], unit: str, per: int) -> dict[str, Any]:
+    """Per mode: every repeat's numbers per `unit` (`per` units a repeat), and the counters of
+    its last repeat (whole)."""
     rows: dict[str, Any] = {}
     for mode in MODES:
         runs = turns[mode]
-        last = runs[-1]["stats"]
         rows[mode] = {
             f"ms_per_{unit}": summary([r["ms"] for r in runs]),
             f"client_cpu_ms_per_{unit}": summary([r["client_cpu_ms"] for r in runs]),
             f"server_cpu_ms_per_{unit}": summary([r["server_cpu_ms"] for r in runs]),
-            f"messages_per_{unit}": [r["stats"]["messages"] for r in runs],
-            f"waits_per_{unit}": [r["stats"]["waits"] for r in runs],
-            f"replayed_ops_per_{unit}": [r["stats"]["replayed_ops"] for r in runs],
-            "stats_last_repeat": last,
+            **{
+                f"{k}_per_{unit}": [r["stats"][k] / per for r in runs]
+                for k in ("messages", "waits", "replayed_ops")
+            },
+            "stats_last_repeat": runs[-1]["stats"],
         }
     return rows
 
@@ -145,7 +149,7 @@ def bench_per_op(remote: Remote, ops: int, steps: int, repeats: int) -> dict[str
             loop(mode)()
     n = ops * steps
     turns = _turns(remote, {m: loop(m) for m in (*MODES, "local")}, n, repeats)
-    rows = _rows(turns, "op")
+    rows = _rows(turns, "op", n)
     local_us = statistics.median(r["cpu_ms"] for r in turns["local"]) * 1e3
     out: dict[str, Any] = {
         "workload": f"{steps} steps of {ops} x `x = x + 1` on torch.zeros(16) float32, each "
@@ -161,7 +165,7 @@ def bench_per_op(remote: Remote, ops: int, steps: int, repeats: int) -> dict[str
                 [v * 1e3 for v in rows[mode]["client_cpu_ms_per_op"]["all"]]),
             "wall_us_per_op": summary([v * 1e3 for v in rows[mode]["ms_per_op"]["all"]]),
             "server_overhead_us_per_op": server_us - local_us,
-            "messages_per_op": rows[mode]["messages_per_op"][-1] / n,
+            "messages_per_op": rows[mode]["messages_per_op"][-1],
             "stats_last_repeat": rows[mode]["stats_last_repeat"],
         }  # fmt: skip
     ratio = out["replayed"]["server_overhead_us_per_op"] / out["plain"]["server_overhead_us_per_op"]
@@ -199,7 +203,7 @@ def bench_steps(
         return lambda: [step[mode]() for _ in range(steps)]
 
     turns = _turns(remote, {m: run(m) for m in (*MODES, "local")}, steps, repeats)
-    rows = _rows(turns, unit)
+    rows = _rows(turns, unit, steps)
     same = all(a["value"] == b["value"] for a, b in zip(turns["plain"], turns["replayed"]))
     return {
         **rows,

@@ -186,8 +186,8 @@ def section_replay(doc: dict[str, Any]) -> list[str]:
                     f"| {label} | {mode} | {_f(_med(m[f'ms_per_{unit}']), 1)} | "
                     f"{_f(_med(m[f'client_cpu_ms_per_{unit}']), 1)} | "
                     f"{_f(_med(m[f'server_cpu_ms_per_{unit}']), 1)} | "
-                    f"{m[f'messages_per_{unit}'][-1]} | {m[f'waits_per_{unit}'][-1]} | "
-                    f"{m[f'replayed_ops_per_{unit}'][-1]} | "
+                    f"{m[f'messages_per_{unit}'][-1]:.1f} | {m[f'waits_per_{unit}'][-1]:.1f} | "
+                    f"{m[f'replayed_ops_per_{unit}'][-1]:.1f} | "
                     f"{_yes(r['plain_and_replayed_read_the_same'])} |"
                 )
                 label = ""
