@@ -87,6 +87,7 @@ class Replayer:
         self.held: list = []  # per held op: its varying floats, or None (appended: the commit)
         self.held_sites: list = []  # per held op: where it was queued (rgpu.settings.op_sites)
         self.inputs_sent = 0
+        self._slots: dict = {}  # a tensor's wire ext -> its slot ext in this segment
 
     # -- the relative form ----------------------------------------------------------------
 
@@ -95,6 +96,9 @@ class Replayer:
         if type(obj) is not RemoteTensor:
             return self._hook(obj)
         h = obj._r
+        slot = self._slots.get(h.ext)  # a tensor's slot never changes within a segment
+        if slot is not None:
+            return slot
         b = h.base
         tid = h.id if b is None else b.id
         base = self.base
@@ -111,10 +115,13 @@ class Replayer:
             kind = SlotKind.INPUT
             exts = self._in_exts
         if b is not None:
-            return slot_view_ext(kind, index, h.ext.data[8:])
-        while len(exts) <= index:
-            exts.append(slot_ext(kind, len(exts)))
-        return exts[index]
+            slot = slot_view_ext(kind, index, h.ext.data[8:])
+        else:
+            while len(exts) <= index:
+                exts.append(slot_ext(kind, len(exts)))
+            slot = exts[index]
+        self._slots[h.ext] = slot
+        return slot
 
     def _rel(self, msg: tuple) -> bytes:
         if len(msg) == 5:
@@ -332,6 +339,17 @@ class Replayer:
         if self.mode != IDLE:
             with self.session.lock:
                 self.end()
+
+    def offer(self, msg: tuple) -> bool:
+        """`take`, except that a bug in it turns replaying off (`failed`) instead of costing
+        the user's op; the connection's errors pass, as a RUN would have met them."""
+        commits = self.commits
+        try:
+            return self.take(msg)
+        except RgpuError:
+            raise
+        except Exception as e:
+            return self.failed(e, commits)
 
     def failed(self, exc: BaseException, commits: int) -> bool:
         """`take` raised (a bug here, not the user's: `commits` is `self.commits` before it):

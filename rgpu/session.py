@@ -219,16 +219,7 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 self._drain_frees_locked()  # big or many: let the server reuse that memory now
             if device is not None and device != self.wire_device:
                 self.to_device_locked(device)
-            held = False
-            if self.replay.on:
-                commits = self.replay.commits
-                try:
-                    held = self.replay.take(msg)
-                except RgpuError:  # the connection's, as a RUN would have met it
-                    raise
-                except Exception as e:  # a bug in replaying must not cost the user's op
-                    held = self.replay.failed(e, commits)
-            if held:
+            if self.replay.on and self.replay.offer(msg):
                 flow = self.replay.sent and self.stream.over_limit
             else:
                 flow = self.queue_locked(msg, data_bytes)
