@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import (
+    accelerator,
     attention,
     autocast,
     compile,
@@ -92,6 +93,7 @@ def register() -> None:
     autocast.install()
     host_memory.install()
     distributed.install()
+    accelerator.install()
     attention.install(lib)
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt

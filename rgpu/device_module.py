@@ -14,6 +14,7 @@ from rgpu_protocol import Kind
 
 from . import current as _cur
 from . import devices as _devices
+from .errors import RgpuError
 
 
 def is_available() -> bool:
@@ -110,6 +111,28 @@ def memory_allocated(device: object = None) -> int:
     info = sess.info()
     per_device = info.get("device_bytes")
     return int(per_device[local] if per_device else info["bytes"])
+
+
+def mem_get_info(device: object = None) -> tuple[int, int]:
+    """(free, total) bytes of the device, read on its server now (one wait): a GPU's memory, or
+    a CPU server's RAM. As with CUDA, what every process on the device uses counts."""
+    sess, local = _on(device)
+    info = sess.request((Kind.INFO,), device=local if _devices.MULTI else None)
+    used, total = info.get("memory_used"), info.get("memory_total")
+    if used is None or total is None:
+        raise RgpuError(f"the server cannot tell the memory of {info.get('device', 'its device')}")
+    return int(total) - int(used), int(total)
+
+
+def release_now() -> None:
+    """Send the frees of tensors Python has dropped now, not with the next batch (no wait)."""
+    listed = _devices.get()
+    for sess in listed.sessions if listed is not None else [_cur.current()]:
+        sess.flush()
+
+
+empty_cache = release_now  # as torch.cuda.empty_cache: give back what nothing uses any more
+memory_reserved = memory_allocated  # the server's allocator cache is shared by all its sessions
 
 
 def get_rng_state(device: object = None) -> torch.Tensor:
@@ -222,6 +245,6 @@ for _name in (
     "set_device", "synchronize", "manual_seed", "manual_seed_all", "get_device_name",
     "memory_allocated", "get_amp_supported_dtype", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "initial_seed", "seed", "seed_all", "device",
-    "Event",
+    "Event", "mem_get_info", "empty_cache", "memory_reserved",
 ):  # fmt: skip
     setattr(module, _name, globals()[_name])

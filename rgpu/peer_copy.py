@@ -27,15 +27,7 @@ aten = torch.ops.aten
 
 def copy_into(dst: RemoteTensor, src: RemoteTensor) -> RemoteTensor:
     """`dst.copy_(src)` where the two live on different servers."""
-    try:
-        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise RuntimeError(
-            f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b "
-            f"({list(src.shape)}) for copy_ between rgpu devices"
-        )
+    _tensor.check_copy_fits(dst, src, "between rgpu devices")
     src_sess, dst_sess = src._r.sess, dst._r.sess
     src_sess.check_usable()
     dst_sess.check_usable()

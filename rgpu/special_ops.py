@@ -107,15 +107,7 @@ def _copy_to_cpu(dst: torch.Tensor, src: RemoteTensor, non_blocking: bool) -> to
     sess = _session_of(src)
     if dst.device.type != "cpu":
         raise RuntimeError(f"cannot copy an rgpu tensor to {dst.device} directly; copy to the CPU")
-    try:
-        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise RuntimeError(
-            f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b "
-            f"({list(src.shape)}) for copy_ from an rgpu tensor"
-        )
+    _tensor.check_copy_fits(dst, src, "from an rgpu tensor")
     if non_blocking:
         sess.download_async(src, into=dst)  # filled on arrival, like a CUDA device-to-host copy
         return dst

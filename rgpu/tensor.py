@@ -361,3 +361,16 @@ def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int
     """Key of a tensor that owns exactly the storage its layout spans."""
     span = storage_span(shape, stride, offset)
     return (dtype, tuple(shape), tuple(stride), offset, span * dtype.itemsize, 0)
+
+
+def check_copy_fits(dst: Any, src: Any, where: str) -> None:
+    """`dst.copy_(src)` broadcasts `src` to `dst`'s shape: refuse it as torch does when it can't."""
+    try:
+        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(
+            f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b "
+            f"({list(src.shape)}) for copy_ {where}"
+        )

@@ -244,3 +244,54 @@ def test_generate_on_another_device_reads_and_sets_back_that_devices_generator(d
     assert torch.equal(got.cpu(), expected)
     assert torch.equal(torch.randn(4, device="rgpu:2").cpu(), after)
     assert torch.equal(torch.rgpu.get_rng_state(0), device0)  # rgpu:0's generator untouched
+
+
+def test_torch_accelerator_answers_for_rgpu(devs):
+    """Libraries that know no device by name use torch.accelerator: the same devices and
+    memory as torch.rgpu, where PyTorch alone would assert on a missing C++ allocator."""
+    acc = torch.accelerator
+    assert acc.current_accelerator().type == "rgpu" and acc.device_count() == 4
+    acc.set_device_index(2)
+    assert acc.current_device_index() == 2 == torch.rgpu.current_device()
+    assert torch.ones(1, device="rgpu").device == torch.device("rgpu:2")
+    with acc.device_index(3):
+        assert acc.current_device_index() == 3
+    assert acc.current_device_index() == 2
+    acc.synchronize(1)
+    x = torch.ones(1024, device="rgpu:1")
+    assert acc.memory_allocated(1) == torch.rgpu.memory_allocated(1) >= 4096
+    assert acc.memory_stats(1)["allocated_bytes.all.current"] == acc.memory_allocated(1)
+    free, total = acc.get_memory_info(1)
+    assert 0 < free <= total
+    held = acc.memory_allocated(1)
+    del x
+    acc.empty_cache()  # the dropped tensor's free goes now, not with the next batch
+    assert acc.memory_allocated(1) == held - 4096
+    with pytest.raises(rgpu.RgpuError, match="does not track peak memory"):
+        acc.max_memory_allocated(1)
+
+
+def test_accelerate_splits_a_model_across_devices(devs):
+    """accelerate's dispatch_model with a device map over rgpu:0 and rgpu:1 (it empties the
+    device cache through torch.accelerator as it places each weight)."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128,
+                                      vocab_size=200)  # fmt: skip
+    cpu = transformers.LlamaForCausalLM(config).eval()
+    placement = {"model.embed_tokens": "rgpu:0", "model.layers.0": "rgpu:0",
+                 "model.layers.1": "rgpu:1", "model.norm": "rgpu:1", "model.rotary_emb": "rgpu:1",
+                 "lm_head": "rgpu:1"}  # fmt: skip
+    model = accelerate.dispatch_model(copy.deepcopy(cpu), device_map=placement)
+    assert model.model.layers[1].mlp.up_proj.weight.device == torch.device("rgpu:1")
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = cpu(ids).logits
+        got = model(ids.to("rgpu:0")).logits.cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(
+        model.generate(ids.to("rgpu:0"), **kwargs).cpu(), cpu.generate(ids, **kwargs)
+    )

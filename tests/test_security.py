@@ -226,13 +226,33 @@ def test_sessions_cannot_name_each_others_tensors(server):
     assert mine is rgpu.current_session()
 
 
-def test_the_server_counts_what_all_sessions_hold(server):
-    rgpu.connect(server.url)
-    before = rgpu.session_info()["server"]
-    keep = torch.empty(256, 1024, device="rgpu")
-    after = rgpu.session_info()["server"]
-    assert (
-        after["tensors"] == before["tensors"] + 1
-        and after["bytes"] == before["bytes"] + 1024 * 1024
+def test_the_server_counts_what_all_sessions_hold(start_server):
+    # a server of its own, with one other client holding a tensor: on the shared server an
+    # earlier test's session may free its tensors between the two reads below
+    srv = start_server()
+    code = (
+        "import sys, torch, rgpu\n"
+        f"rgpu.connect({srv.url!r})\n"
+        "x = torch.ones(1024, device='rgpu')\n"
+        "x.sum().item()\n"
+        "print('holding', flush=True)\n"
+        "sys.stdin.read()\n"
     )
-    del keep
+    other = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == "holding"
+        rgpu.connect(srv.url)
+        before = rgpu.session_info()["server"]
+        assert before["sessions"] == 2 and before["tensors"] >= 1  # the other client's too
+        keep = torch.empty(256, 1024, device="rgpu")
+        after = rgpu.session_info()["server"]
+        assert (
+            after["tensors"] == before["tensors"] + 1
+            and after["bytes"] == before["bytes"] + 1024 * 1024
+        )
+        del keep
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)

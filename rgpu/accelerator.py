@@ -1,0 +1,123 @@
+"""`torch.accelerator` when rgpu is the process's accelerator.
+
+Libraries that know no device by name (accelerate, transformers) call PyTorch's generic
+accelerator API. For a backend written in Python that API reaches C++ pieces it cannot register:
+the current device lives in a device guard that always answers 0, and the memory calls assert
+that a C++ caching allocator exists (`accelerate.dispatch_model` dies in `empty_cache`). So
+while rgpu is the current accelerator (no CUDA or other device in this process), these names
+answer from `torch.rgpu`; otherwise PyTorch's own are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from . import device_module as _rgpu
+from .errors import RgpuError
+from .tensor import DEVICE_TYPE
+
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _index(device: Any) -> Any:
+    return None if device is None else device
+
+
+def set_device_index(device: Any, /) -> None:
+    _rgpu.set_device(device)
+
+
+def current_device_index() -> int:
+    return _rgpu.current_device()
+
+
+class device_index:
+    """`with torch.accelerator.device_index(i):` the current rgpu device inside the block."""
+
+    def __init__(self, device: int | None, /) -> None:
+        self.inner = _rgpu.device(device)
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.__exit__(*exc)
+
+
+def synchronize(device: Any = None, /) -> None:
+    _rgpu.synchronize(_index(device))
+
+
+def empty_cache() -> None:
+    """rgpu keeps no cache on the client; what it can release now are the tensors Python has
+    already dropped, whose frees wait for the next batch: send them."""
+    _rgpu.release_now()
+
+
+def memory_allocated(device: Any = None, /) -> int:
+    return _rgpu.memory_allocated(_index(device))
+
+
+def memory_reserved(device: Any = None, /) -> int:
+    """The session's bytes: the server's allocator cache is shared by every session on it."""
+    return _rgpu.memory_allocated(_index(device))
+
+
+def memory_stats(device: Any = None, /) -> OrderedDict[str, Any]:
+    held = _rgpu.memory_allocated(_index(device))
+    return OrderedDict(
+        [("allocated_bytes.all.current", held), ("reserved_bytes.all.current", held)]
+    )
+
+
+def get_memory_info(device: Any = None, /) -> tuple[int, int]:
+    """(free, total) bytes of the device on its server (host RAM for a CPU server)."""
+    return _rgpu.mem_get_info(_index(device))
+
+
+def _no_peaks(*_: Any) -> Any:
+    raise RgpuError(
+        "rgpu does not track peak memory: torch.accelerator.max_memory_allocated, "
+        "max_memory_reserved and reset_peak_memory_stats are not available on rgpu; "
+        "torch.rgpu.memory_allocated(i) gives the bytes this session holds now"
+    )
+
+
+_ANSWERS = {
+    "set_device_index": set_device_index,
+    "set_device_idx": set_device_index,
+    "current_device_index": current_device_index,
+    "current_device_idx": current_device_index,
+    "device_index": device_index,
+    "synchronize": synchronize,
+    "empty_cache": empty_cache,
+    "memory_allocated": memory_allocated,
+    "memory_reserved": memory_reserved,
+    "memory_stats": memory_stats,
+    "get_memory_info": get_memory_info,
+    "max_memory_allocated": _no_peaks,
+    "max_memory_reserved": _no_peaks,
+    "reset_peak_memory_stats": _no_peaks,
+    "reset_accumulated_memory_stats": _no_peaks,
+}
+
+
+def install() -> bool:
+    """Answer `torch.accelerator`'s calls for rgpu when rgpu is the current accelerator."""
+    if _ORIGINAL:
+        return True
+    accel = getattr(torch, "accelerator", None)
+    try:
+        current = accel.current_accelerator() if accel is not None else None
+    except RuntimeError:
+        current = None
+    if current is None or current.type != DEVICE_TYPE:
+        return False
+    for name, answer in _ANSWERS.items():
+        if hasattr(accel, name):
+            _ORIGINAL[name] = getattr(accel, name)
+            setattr(accel, name, answer)
+    return True
