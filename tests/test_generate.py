@@ -94,8 +94,10 @@ def test_greedy_tokens_equal_the_cpu_and_stop_at_the_eos(pair):
     assert torch.equal(got, expected)
 
 
-def test_the_waits_do_not_grow_with_the_tokens(pair, lookahead):
-    _, model = pair
+def test_the_waits_do_not_grow_with_the_tokens(slow_pair, lookahead):
+    # over a 60 ms round trip no answer is there before its read, so each read is one wait (on
+    # loopback a busy machine sometimes has the answer already, and the count moves by one)
+    _, model, _ = slow_pair
     prompt = PROMPT.to("rgpu")
 
     def run(n):
