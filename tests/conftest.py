@@ -102,3 +102,25 @@ def proxied(server):
     rgpu.disconnect()
     for p in proxies:
         p.close()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """A server computing on one thread, and the client's torch on one thread meanwhile: rgpu's
+    results compare with local CPU torch bit for bit (the replayed-steps tests)."""
+    srv = ServerProcess(env={"OMP_NUM_THREADS": "1"})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield srv
+    torch.set_num_threads(threads)
+    rgpu.disconnect()
+    srv.stop()
+
+
+@pytest.fixture
+def replay_on():
+    """Replayed steps on (they are off by default), and the settings a test changed back."""
+    rgpu.settings.replay = True
+    yield
+    rgpu.settings.replay = None  # each session's RGPU_REPLAY again
+    rgpu.settings.op_sites = False

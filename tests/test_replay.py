@@ -17,30 +17,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from rgpu_test_servers import ServerProcess
 
 import rgpu
 from rgpu.models import TinyLM, lm_batch, seed_mlp
 
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """A server computing on one thread, and the client's torch on one thread meanwhile."""
-    srv = ServerProcess(env={"OMP_NUM_THREADS": "1"})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield srv
-    torch.set_num_threads(threads)
-    rgpu.disconnect()
-    srv.stop()
-
-
-@pytest.fixture(autouse=True)
-def replay_on():
-    rgpu.settings.replay = True  # off by default
-    yield
-    rgpu.settings.replay = None  # each session's RGPU_REPLAY again
-    rgpu.settings.op_sites = False
+pytestmark = pytest.mark.usefixtures("replay_on")
 
 
 @pytest.fixture

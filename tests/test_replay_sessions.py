@@ -18,30 +18,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from rgpu_test_servers import ServerProcess
 
 import rgpu
 from rgpu.models import TinyLM, lm_batch, seed_mlp
 from rgpu_protocol import Kind
 
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """A server computing on one thread, and the client's torch on one thread meanwhile."""
-    srv = ServerProcess(env={"OMP_NUM_THREADS": "1"})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield srv
-    torch.set_num_threads(threads)
-    rgpu.disconnect()
-    srv.stop()
-
-
-@pytest.fixture(autouse=True)
-def replay_setting_back():
-    rgpu.settings.replay = True  # off by default
-    yield
-    rgpu.settings.replay = None  # each session's RGPU_REPLAY again
+pytestmark = pytest.mark.usefixtures("replay_on")
 
 
 @pytest.fixture
