@@ -22,10 +22,6 @@ from .tensor import DEVICE_TYPE
 _ORIGINAL: dict[str, Any] = {}
 
 
-def _index(device: Any) -> Any:
-    return None if device is None else device
-
-
 def set_device_index(device: Any, /) -> None:
     _rgpu.set_device(device)
 
@@ -48,7 +44,7 @@ class device_index:
 
 
 def synchronize(device: Any = None, /) -> None:
-    _rgpu.synchronize(_index(device))
+    _rgpu.synchronize(device)
 
 
 def empty_cache() -> None:
@@ -58,16 +54,16 @@ def empty_cache() -> None:
 
 
 def memory_allocated(device: Any = None, /) -> int:
-    return _rgpu.memory_allocated(_index(device))
+    return _rgpu.memory_allocated(device)
 
 
 def memory_reserved(device: Any = None, /) -> int:
     """The session's bytes: the server's allocator cache is shared by every session on it."""
-    return _rgpu.memory_allocated(_index(device))
+    return _rgpu.memory_allocated(device)
 
 
 def memory_stats(device: Any = None, /) -> OrderedDict[str, Any]:
-    held = _rgpu.memory_allocated(_index(device))
+    held = _rgpu.memory_allocated(device)
     return OrderedDict(
         [("allocated_bytes.all.current", held), ("reserved_bytes.all.current", held)]
     )
@@ -75,7 +71,7 @@ def memory_stats(device: Any = None, /) -> OrderedDict[str, Any]:
 
 def get_memory_info(device: Any = None, /) -> tuple[int, int]:
     """(free, total) bytes of the device on its server (host RAM for a CPU server)."""
-    return _rgpu.mem_get_info(_index(device))
+    return _rgpu.mem_get_info(device)
 
 
 def _no_peaks(*_: Any) -> Any:

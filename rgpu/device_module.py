@@ -125,9 +125,9 @@ def mem_get_info(device: object = None) -> tuple[int, int]:
 
 
 def release_now() -> None:
-    """Send the frees of tensors Python has dropped now, not with the next batch (no wait)."""
-    listed = _devices.get()
-    for sess in listed.sessions if listed is not None else [_cur.current()]:
+    """Send the frees of tensors Python has dropped now, not with the next batch (no wait).
+    Not connected: nothing to release, and no server is started for it."""
+    for sess in _cur.sessions():
         sess.flush()
 
 

@@ -71,6 +71,10 @@ def test_after_disconnect_the_device_starts_no_server(server):
     rgpu.disconnect()
     with pytest.raises(rgpu.RgpuError, match="rgpu is disconnected.*rgpu.connect()"):
         torch.ones(2, device="rgpu")
+    torch.rgpu.empty_cache()  # what libraries call to tidy up: nothing to release, no server
+    if torch.accelerator.current_accelerator().type == "rgpu":
+        torch.accelerator.empty_cache()
+    assert rgpu.current_session() is None
     rgpu.connect(server.url)
     assert torch.ones(2, device="rgpu").sum().item() == 2.0
 
