@@ -172,7 +172,8 @@ def _holder(url: str) -> subprocess.Popen:
 
 def test_another_token_cannot_list_or_open_a_session(own_server):
     other = "another-users-token-" + "x" * 20
-    srv = own_server("--token", TOKEN_FOR_TESTS, "--token", other)
+    # --token=VALUE: a random token may start with "-", which argparse takes for an option
+    srv = own_server(f"--token={TOKEN_FOR_TESTS}", f"--token={other}")
     rgpu.connect(srv.url, session="mine")
     rgpu.keep("t", torch.ones(3, device="rgpu"))
     rgpu.disconnect()
