@@ -28,6 +28,7 @@ from . import (
     plans,
     special_ops,
     tensor,
+    whole_ops,
 )
 
 _libs: list[torch.library.Library] = []  # registrations die with their Library object
@@ -95,6 +96,7 @@ def register() -> None:
     distributed.install()
     accelerator.install()
     attention.install(lib)
+    whole_ops.install(lib)
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt
 

@@ -4,11 +4,12 @@ PyTorch picks a fused attention kernel through a C++ stub that a Python backend 
 so on rgpu it would take the math path: about fifteen ops forward and as many backward, each a
 message, a wrapper and an autograd node on the client, where the local CPU runs one fused kernel.
 An `AutogradPrivateUse1` kernel sends the CPU's fused kernel instead when the server computes on
-a CPU and the call is one that kernel takes (no mask, no dropout, dense 4-D inputs of one float
-dtype, flash attention not turned off with `torch.nn.attention.sdpa_kernel`). Local CPU torch
-picks the same kernel for such calls, so the results are the CPU's, bit for bit (it also fuses
-some masked calls, which rgpu leaves to the math path). Graph shipping traces the same two ops, so compiled and eager training agree
-exactly. Every other call (CUDA servers, masks, dropout) takes the math path as before.
+a CPU and local CPU torch would fuse the same call; PyTorch's own chooser decides that from
+stand-in CPU tensors of the same layouts, so masks (a boolean one turned into 0/-inf first, as
+the CPU does), grouped-query heads and `torch.nn.attention.sdpa_kernel` settings go the CPU's
+way and the results are the CPU's, bit for bit. Graph shipping traces the same two ops, so
+compiled and eager training agree exactly. Every other call (CUDA servers, dropout, a mask that
+needs a gradient) takes the math path.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import current as _cur
 
@@ -23,43 +25,54 @@ aten = torch.ops.aten
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _SDPA = aten.scaled_dot_product_attention.default
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_FLASH = 1  # SDPBackend.FLASH_ATTENTION, as torch._fused_sdp_choice answers
 
 
 class _FusedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q, k, v, is_causal: bool, scale: float | None):  # type: ignore[override]
-        out, lse = _FORWARD(q, k, v, 0.0, is_causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx: Any, q, k, v, mask, is_causal: bool, scale: float | None):  # type: ignore[override]
+        out, lse = _FORWARD(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        gq, gk, gv = _BACKWARD(grad, q, k, v, out, lse, 0.0, ctx.is_causal, scale=ctx.scale)
-        return gq, gk, gv, None, None
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        gq, gk, gv = _BACKWARD(
+            grad, q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
+        )
+        return gq, gk, gv, None, None, None
 
 
-def _fusable(q, k, v, attn_mask, dropout_p: float, enable_gqa: bool) -> bool:
-    if attn_mask is not None or dropout_p != 0.0 or enable_gqa:
-        return False
-    if not torch.backends.cuda.flash_sdp_enabled():  # sdpa_kernel(...) without FLASH_ATTENTION
-        return False
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of `t`'s layout (uninitialised, never read): the CPU's kernel choice looks at
+    shapes, strides, dtypes and requires_grad only."""
+    s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    return s.requires_grad_() if t.requires_grad else s
+
+
+def _cpu_would_fuse(
+    q, k, v, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa
+) -> bool:
+    """Whether local CPU torch would run this call as its fused flash kernel: asked of PyTorch's
+    own chooser (`torch._fused_sdp_choice`), so masks, grouped-query heads, strides and
+    `sdpa_kernel(...)` settings are decided exactly as on the CPU."""
     session = _cur._current
     if session is None or not session.device.startswith("cpu"):
         return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
+        return False  # an error on the CPU: the math path raises it
+    try:
+        with _disable_current_modes():  # while torch.compile traces: real CPU stand-ins, not fakes
+            choice = torch._fused_sdp_choice(
+                _stand_in(q), _stand_in(k), _stand_in(v),
+                None if attn_mask is None else _stand_in(attn_mask),
+                dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa,
+            )  # fmt: skip
+    except Exception:
         return False
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        return False
-    if q.size(-1) != k.size(-1) or q.size(-1) != v.size(-1) or k.size(-2) != v.size(-2):
-        return False
-    if q.shape[:2] != k.shape[:2] or q.shape[:2] != v.shape[:2]:
-        return False  # broadcast batch or heads: the math path
-    if 0 in q.shape or 0 in k.shape:
-        return False
-    return all(t.stride(-1) == 1 for t in (q, k, v))
+    return choice == _FLASH
 
 
 def _sdpa(
@@ -73,8 +86,13 @@ def _sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ):
-    if _fusable(query, key, value, attn_mask, dropout_p, enable_gqa):
-        return _FusedAttention.apply(query, key, value, is_causal, scale)
+    if _cpu_would_fuse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # as the CPU does before its fused kernel: 0 where attending, -inf elsewhere
+            keep = attn_mask
+            attn_mask = torch.zeros_like(keep, dtype=query.dtype)
+            attn_mask.masked_fill_(keep.logical_not(), float("-inf"))
+        return _FORWARD(query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
     return _SDPA.decompose(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
     )

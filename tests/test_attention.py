@@ -54,48 +54,86 @@ def test_strided_inputs_as_a_transformer_makes_them(session):
     assert torch.equal(xr.grad.cpu(), x.grad)
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["mask", "bool_mask", "gqa", "three_d", "broadcast_heads", "no_grad"],
-)
-def test_other_calls_take_the_math_path_and_match(session, case):
+def _case(case: str):
+    """(cpu q/k/v, remote q/k/v, cpu kwargs, remote kwargs) for one kind of call."""
     cpu, remote = _qkv(2, 4, 24, 8, seed=1)
-    kwargs: dict = {}
-    if case == "mask":
-        m = torch.randn(24, 24)
-        kwargs_cpu, kwargs_r = {"attn_mask": m}, {"attn_mask": m.to("rgpu")}
+    g = torch.Generator().manual_seed(2)
+    kw: dict = {}
+    if case in ("mask", "causal_mask"):
+        kw = {"attn_mask": torch.randn(24, 24, generator=g), "is_causal": case == "causal_mask"}
     elif case == "bool_mask":
-        m = torch.rand(24, 24) > 0.3
-        m.fill_diagonal_(True)
-        kwargs_cpu, kwargs_r = {"attn_mask": m}, {"attn_mask": m.to("rgpu")}
-    elif case == "gqa":
+        m = torch.rand(24, 24, generator=g) > 0.3
+        kw = {"attn_mask": m.fill_diagonal_(True)}
+    elif case == "padding_mask":  # (batch, 1, 1, keys), broadcast over heads and queries
+        m = torch.zeros(2, 1, 1, 24)
+        m[1, ..., 17:] = float("-inf")
+        kw = {"attn_mask": m}
+    elif case in ("gqa", "gqa_decode"):
         cpu[1], cpu[2] = (t.detach()[:, :2].requires_grad_() for t in cpu[1:])
-        remote[1], remote[2] = (t.detach().to("rgpu").requires_grad_() for t in cpu[1:])
-        kwargs_cpu = kwargs_r = {"enable_gqa": True}
+        if case == "gqa_decode":  # one new query over a cache, as generate() calls it
+            cpu[0] = cpu[0].detach()[:, :, -1:].requires_grad_()
+        kw = {"enable_gqa": True}
     elif case == "three_d":
         cpu = [t.detach()[0].requires_grad_() for t in cpu]
-        remote = [t.detach().to("rgpu").requires_grad_() for t in cpu]
-        kwargs_cpu = kwargs_r = {"is_causal": True}
+        kw = {"is_causal": True}
     elif case == "broadcast_heads":
         cpu[0] = cpu[0].detach()[:, :1].requires_grad_()
-        remote[0] = cpu[0].detach().to("rgpu").requires_grad_()
-        kwargs_cpu = kwargs_r = {}
-    else:
-        kwargs_cpu = kwargs_r = {"is_causal": True}
-    kwargs = kwargs_cpu
-    if case == "no_grad":
-        with torch.no_grad():
-            out = F.scaled_dot_product_attention(*cpu, **kwargs)
-            out_r = F.scaled_dot_product_attention(*remote, **kwargs_r)
-        torch.testing.assert_close(out_r.cpu(), out, rtol=1e-5, atol=1e-6)
-        return
-    out = F.scaled_dot_product_attention(*cpu, **kwargs)
-    out_r = F.scaled_dot_product_attention(*remote, **kwargs_r)
+    elif case == "mask_with_grad":
+        kw = {"attn_mask": torch.randn(24, 24, generator=g, requires_grad=True)}
+    remote = [t.detach().to("rgpu").requires_grad_() for t in cpu]
+    kw_r = {k: v.detach().to("rgpu").requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor)
+            else v for k, v in kw.items()}  # fmt: skip
+    return cpu, remote, kw, kw_r
+
+
+@pytest.mark.parametrize(
+    "case", ["mask", "causal_mask", "bool_mask", "padding_mask", "gqa", "gqa_decode"]
+)
+@pytest.mark.parametrize("grad", [True, False])
+def test_calls_the_cpu_fuses_are_fused_bit_for_bit(session, case, grad):
+    # local CPU torch runs these as its flash kernel too (masks and grouped-query heads included):
+    # the same kernel on the server gives the CPU's numbers exactly, in one op, not ~15
+    cpu, remote, kw, kw_r = _case(case)
+    torch.rgpu.synchronize()
+    m0 = rgpu.stats()["messages"]
+    with torch.set_grad_enabled(grad):
+        out = F.scaled_dot_product_attention(*cpu, **kw)
+        out_r = F.scaled_dot_product_attention(*remote, **kw_r)
+    assert rgpu.stats()["messages"] - m0 == (
+        4 if case == "bool_mask" else 1
+    )  # + the mask made 0/-inf
+    assert torch.equal(out_r.cpu(), out)
+    if grad:
+        out.sum().backward()
+        out_r.sum().backward()
+        for a, b in zip(cpu, remote):
+            assert torch.equal(b.grad.cpu(), a.grad)
+
+
+@pytest.mark.parametrize("case", ["three_d", "broadcast_heads", "mask_with_grad"])
+def test_other_calls_take_the_math_path_and_match(session, case):
+    cpu, remote, kw, kw_r = _case(case)
+    torch.rgpu.synchronize()
+    m0 = rgpu.stats()["messages"]
+    out = F.scaled_dot_product_attention(*cpu, **kw)
+    out_r = F.scaled_dot_product_attention(*remote, **kw_r)
+    assert rgpu.stats()["messages"] - m0 > 5  # the math path's ops: the CPU does not fuse these
     torch.testing.assert_close(out_r.cpu(), out, rtol=1e-5, atol=1e-6)
     out.sum().backward()
     out_r.sum().backward()
-    for a, b in zip(cpu, remote):
-        torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-6)
+    for a, b in zip(cpu + list(kw.values())[:1], remote + list(kw_r.values())[:1]):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mask_of_another_float_dtype_fails_as_on_the_cpu(session):
+    cpu, remote, _, _ = _case("none")
+    m = torch.randn(24, 24, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="attn_mask dtype") as local:
+        F.scaled_dot_product_attention(*cpu, attn_mask=m)
+    with pytest.raises(RuntimeError, match="attn_mask dtype") as remote_err:
+        F.scaled_dot_product_attention(*remote, attn_mask=m.to("rgpu"))
+    assert str(remote_err.value).split(":")[0] == str(local.value).split(":")[0]
 
 
 def test_dropout_takes_the_math_path_with_the_sessions_generator(session):

@@ -85,7 +85,12 @@ def test_compiled_real_models_train_as_on_the_cpu_in_few_messages(session, make)
         losses, messages = _train(remote, batch, "rgpu", compiled=compiled)
     assert not _fell_back(caught)
     expected, _ = _train(cpu, batch, "cpu")
-    assert losses == expected
+    if make is _llama:
+        # compiled graphs are traced on meta tensors, where SiLU's gradient becomes its formula
+        # (sigmoid and products) instead of the CPU's silu_backward kernel: last-bit differences
+        torch.testing.assert_close(losses, expected, rtol=1e-6, atol=0)
+    else:
+        assert losses == expected
     rgpu.settings.replay = False  # eager op by op, as graph shipping replaces it
     try:
         _, eager_messages = _train(eager, batch, "rgpu")

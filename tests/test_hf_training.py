@@ -1,0 +1,73 @@
+"""Hugging Face models train on rgpu exactly as on local CPU torch: every gradient of a step,
+bit for bit, and the losses of three AdamW steps. Small configs of transformers' own classes:
+a causal LM (GPT-2), one with grouped-query attention and SiLU (Llama), an encoder with a
+padding mask (BERT) and a vision model (ViT)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+GEN = torch.Generator().manual_seed(5)
+IDS = torch.randint(0, 300, (3, 14), generator=GEN)
+MASK = torch.ones(3, 14, dtype=torch.long)
+MASK[1, 9:] = 0
+PIXELS = torch.randn(3, 3, 16, 16, generator=GEN)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg), {"input_ids": IDS, "labels": IDS}
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=300)  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg), {"input_ids": IDS, "labels": IDS}
+
+
+def _bert():
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                  intermediate_size=64, vocab_size=300, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)  # fmt: skip
+    labels = IDS.masked_fill(MASK == 0, -100)
+    return transformers.BertForMaskedLM(cfg), {"input_ids": IDS, "attention_mask": MASK,
+                                               "labels": labels}  # fmt: skip
+
+
+def _vit():
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_hidden_layers=2, hidden_size=32,
+                                 num_attention_heads=4, intermediate_size=64, num_labels=5,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return transformers.ViTForImageClassification(cfg), {
+        "pixel_values": PIXELS, "labels": torch.tensor([1, 4, 0])}  # fmt: skip
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama, _bert, _vit], ids=["gpt2", "llama", "bert", "vit"])
+def test_gradients_and_adamw_steps_equal_the_cpu(session, make):
+    torch.manual_seed(0)
+    cpu, batch = make()
+    remote = copy.deepcopy(cpu).to("rgpu")
+    opt_c = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(remote.parameters(), lr=1e-2)
+    batch_r = {k: v.to("rgpu") for k, v in batch.items()}
+    for step in range(3):
+        loss_c = cpu(**batch).loss
+        loss_r = remote(**batch_r).loss
+        loss_c.backward()
+        loss_r.backward()
+        assert loss_r.item() == loss_c.item(), step
+        if step == 0:
+            for (name, p), q in zip(cpu.named_parameters(), remote.parameters()):
+                assert torch.equal(q.grad.cpu(), p.grad), name
+        opt_c.step()
+        opt_r.step()
+        opt_c.zero_grad()
+        opt_r.zero_grad()
+    for (name, p), q in zip(cpu.named_parameters(), remote.parameters()):
+        assert torch.equal(q.detach().cpu(), p.detach()), name

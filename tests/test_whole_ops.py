@@ -1,0 +1,73 @@
+"""Ops with a CPU kernel that PyTorch would break into smaller ops on rgpu (its formula for
+devices without the kernel) go whole: the CPU's numbers bit for bit, in one message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rgpu
+from rgpu import whole_ops
+
+
+def test_the_list_is_every_such_op_of_this_pytorch():
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    found = set()
+    for schema in torch._C._jit_get_all_schemas():
+        if not schema.name.startswith("aten::"):
+            continue
+        name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+        try:
+            both = has(name, "CompositeImplicitAutograd") and has(name, "CPU")
+        except RuntimeError:  # a schema with no operator behind it (aten::has_torch_function)
+            continue
+        if both:
+            found.add(schema.name.removeprefix("aten::"))
+    assert "silu_backward" in found  # the search itself works
+    assert found <= set(whole_ops.WHOLE), f"add {sorted(found - set(whole_ops.WHOLE))}"
+
+
+def _grad(fn, x: torch.Tensor, g: torch.Tensor, create_graph: bool = False) -> torch.Tensor:
+    x = x.detach().requires_grad_()
+    (gx,) = torch.autograd.grad(fn(x), x, g, create_graph=create_graph)
+    return gx
+
+
+@pytest.mark.parametrize("fn", [F.silu, F.mish], ids=["silu", "mish"])
+def test_activation_gradients_are_the_cpus_kernel(session, fn):
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(3, 33, 17, generator=gen), torch.randn(3, 33, 17, generator=gen)
+    want = _grad(fn, x, g)
+    xr, gr = x.to("rgpu"), g.to("rgpu")
+    y = fn(xr.detach().requires_grad_())
+    torch.rgpu.synchronize()
+    m0 = rgpu.stats()["messages"]
+    (got,) = torch.autograd.grad(y, [y.grad_fn.next_functions[0][0].variable], gr)
+    assert rgpu.stats()["messages"] - m0 == 1  # one kernel, not the formula's five or six ops
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("fn", [F.silu, F.mish], ids=["silu", "mish"])
+def test_double_backward_takes_the_formula_as_on_the_cpu(session, fn):
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    xs = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(fn(xs), xs, g, create_graph=True)
+    (want,) = torch.autograd.grad(gx.sum(), xs)
+    xr = x.to("rgpu").requires_grad_()
+    (gxr,) = torch.autograd.grad(fn(xr), xr, g.to("rgpu"), create_graph=True)
+    (got,) = torch.autograd.grad(gxr.sum(), xr)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gxr.detach().cpu(), gx.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_native_channel_shuffle(session):
+    x = torch.arange(2 * 6 * 3 * 2, dtype=torch.float32).reshape(2, 6, 3, 2)
+    xr = x.to("rgpu")
+    torch.rgpu.synchronize()
+    m0 = rgpu.stats()["messages"]
+    with torch.no_grad():
+        got = torch.native_channel_shuffle(xr, 3)
+    assert rgpu.stats()["messages"] - m0 == 1
+    assert torch.equal(got.cpu(), torch.native_channel_shuffle(x, 3))
