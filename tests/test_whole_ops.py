@@ -71,3 +71,47 @@ def test_native_channel_shuffle(session):
         got = torch.native_channel_shuffle(xr, 3)
     assert rgpu.stats()["messages"] - m0 == 1
     assert torch.equal(got.cpu(), torch.native_channel_shuffle(x, 3))
+
+
+def _composites():
+    gen = torch.Generator().manual_seed(3)
+    x3, w, b = (torch.randn(2, 5, 16, generator=gen), torch.randn(8, 16, generator=gen),
+                torch.randn(8, generator=gen))  # fmt: skip
+    m = torch.randn(16, 7, generator=gen)
+    return {
+        "linear": (F.linear, (x3, w, b)),
+        "linear_no_bias_transposed": (F.linear, (x3.transpose(0, 1), w)),
+        "matmul_batched": (torch.matmul, (x3, m)),
+        "matmul_vector": (torch.matmul, (x3[0, 0], m)),
+        "matmul_broadcast": (torch.matmul, (m.t()[None], x3.transpose(1, 2))),
+        "softmax": (lambda t: torch.softmax(t, -1), (x3,)),
+        "log_softmax_dtype": (lambda t: torch.log_softmax(t, 1, dtype=torch.float64), (x3,)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_composites()))
+def test_composites_without_a_gradient_go_whole_and_equal_the_cpu(session, case):
+    fn, args = _composites()[case]
+    remote = [a.to("rgpu") for a in args]
+    torch.rgpu.synchronize()
+    m0 = rgpu.stats()["messages"]
+    with torch.no_grad():
+        got = fn(*remote)
+    assert rgpu.stats()["messages"] - m0 == 1  # the whole op; its parts run on the server
+    want = fn(*args)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("case", ["linear", "matmul_batched", "softmax"])
+def test_composites_with_a_gradient_break_up_and_train_as_on_the_cpu(session, case):
+    fn, args = _composites()[case]
+    cpu = [a.clone().requires_grad_() for a in args]
+    remote = [a.to("rgpu").requires_grad_() for a in args]
+    out, out_r = fn(*cpu), fn(*remote)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    out.backward(g)
+    out_r.backward(g.to("rgpu"))
+    assert torch.equal(out_r.detach().cpu(), out.detach())
+    for a, r in zip(cpu, remote):
+        assert torch.equal(r.grad.cpu(), a.grad)
