@@ -243,11 +243,11 @@ def test_a_train_step_and_an_eval_step_with_the_same_first_op_both_replay(sess):
     for step in range(16):
         before = rgpu.stats()["replayed_ops"]
         if step % 2:
-            with torch.no_grad():
-                out.append(model(x).sum().item())
+            with torch.no_grad():  # its linears go whole: more ops after them, to replay
+                out.append((model(x * 2).relu() + 1).square().mean().sum().item())
         else:
             opt.zero_grad()
-            loss = model(x).square().mean()
+            loss = model(x * 2).square().mean()
             loss.backward()
             opt.step()
             out.append(loss.item())
