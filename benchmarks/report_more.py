@@ -114,6 +114,26 @@ def section_hf(doc: dict[str, Any]) -> list[str]:
                 f"{ahead['speedup_over_one_wait_per_token_ideal']:.1f}× | "
                 f"≥ {r['target_speedup']:g}× ({_yes(r['meets_target'])}) |"
             )
+    base = doc.get("baseline")
+    if base:
+        lines += [
+            "",
+            f"The same benchmark at {base['commit']} ({base['note']}): ratio, messages and "
+            "client CPU per step or token, then → now:",
+            "",
+            "| step | ratio then → now | messages then → now | client CPU ms then → now |",
+            "| --- | --- | --- | --- |",
+        ]
+        for kind, unit in (("training", "step"), ("decode", "token")):
+            for name, old in base.get(kind, {}).items():
+                new = doc[kind][name]
+                lines.append(
+                    f"| {kind} {name} | {old['ratio_of_medians']:.2f}× → "
+                    f"{new['ratio_of_medians']:.2f}× | {old[f'messages_per_{unit}']:.1f} → "
+                    f"{new[f'messages_per_{unit}']:.1f} | "
+                    f"{old[f'client_cpu_ms_per_{unit}']:.1f} → "
+                    f"{new[f'client_cpu_ms_per_{unit}']['median']:.1f} |"
+                )
     return lines + [""]
 
 
