@@ -7,14 +7,12 @@ An `AutogradPrivateUse1` kernel sends the CPU's fused kernel instead when the se
 a CPU and local CPU torch would fuse the same call; PyTorch's own chooser decides that from
 stand-in CPU tensors of the same layouts, so masks (a boolean one turned into 0/-inf first, as
 the CPU does), grouped-query heads and `torch.nn.attention.sdpa_kernel` settings go the CPU's
-way and the results are the CPU's, bit for bit. Graph shipping traces the same two ops, so
-compiled and eager training agree exactly. Every other call (CUDA servers, dropout, a mask that
+way and the results are the CPU's, bit for bit: the op carries PyTorch's own autograd node, so
+its backward is the CPU's fused backward too, and graph shipping traces the same two ops. Every other call (CUDA servers, dropout, a mask that
 needs a gradient) takes the math path.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -23,26 +21,8 @@ from . import current as _cur
 
 aten = torch.ops.aten
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
-_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _SDPA = aten.scaled_dot_product_attention.default
 _FLASH = 1  # SDPBackend.FLASH_ATTENTION, as torch._fused_sdp_choice answers
-
-
-class _FusedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q, k, v, mask, is_causal: bool, scale: float | None):  # type: ignore[override]
-        out, lse = _FORWARD(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad):  # type: ignore[override]
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        gq, gk, gv = _BACKWARD(
-            grad, q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask, scale=ctx.scale
-        )
-        return gq, gk, gv, None, None, None
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:

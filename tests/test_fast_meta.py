@@ -35,7 +35,7 @@ def _same(fast: torch.Tensor, slow: torch.Tensor) -> bool:
         slow.shape, slow.stride(), slow.dtype, slow.storage_offset())  # fmt: skip
 
 
-SHAPES = [(5,), (3, 4), (1, 4), (2, 1, 3), (1, 4, 1, 8), (2, 3, 4, 5), (2, 1, 1, 3)]
+SHAPES = [(), (5,), (3, 4), (1, 4), (2, 1, 3), (1, 4, 1, 8), (2, 3, 4, 5), (2, 1, 1, 3)]
 
 
 @pytest.mark.parametrize("op", [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor])
