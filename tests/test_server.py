@@ -44,6 +44,33 @@ def test_cli_help_and_version():
 
 
 @pytest.mark.parametrize(
+    "entry", [[sys.executable, "-m", "rgpu_server"], ["rgpu-server"]], ids=["module", "script"]
+)
+def test_openmp_threads_sleep_between_ops_unless_told_otherwise(entry):
+    """The server's OpenMP pool must not spin between ops (it took two thirds of a CPU server's
+    time and the cores of a client beside it). libgomp prints what it read at start-up."""
+
+    def spincount(**env: str) -> str:
+        out = subprocess.run(
+            [*entry, "--version"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("OMP_")},
+                "OMP_DISPLAY_ENV": "VERBOSE",
+                **env,
+            },  # fmt: skip
+        )
+        found = re.search(r"GOMP_SPINCOUNT = '(\d+)'", out.stderr)
+        assert found, f"this torch's OpenMP runtime is not libgomp: {out.stderr[-500:]}"
+        return found.group(1)
+
+    assert spincount() == "0"
+    assert int(spincount(OMP_WAIT_POLICY="ACTIVE")) > 0  # the user's choice stands
+
+
+@pytest.mark.parametrize(
     "device, message",
     [
         ("tpu", "must be cpu, cuda, cuda:N or mps"),

@@ -8,11 +8,19 @@ else in the server reads the environment.
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads (rgpu_protocol imports it): OpenMP's worker threads sleep between parallel
+# regions instead of spinning. The server runs ops one by one between messages, so after each
+# parallel kernel the spinning threads would hold every core for a while, taking it from the
+# server's own event loop and session threads, and from a client on the same machine (the
+# embedded server, a CPU server beside the notebook). OMP_WAIT_POLICY=ACTIVE keeps spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import asyncio
 import ipaddress
 import logging
-import os
 import secrets
 import signal
 import sys
