@@ -40,6 +40,7 @@ from .tensor import (
     key_of_tensor_meta,
     patch_metadata,
     wrap,
+    wrap_dense,
     wrap_inner,
     wrap_view,
     wrap_with_id,
@@ -119,7 +120,7 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         return out
     single = plan.single_key
     if single is not None:
-        out = wrap(sess, single, dev)
+        out = wrap_dense(sess, single, dev) if plan.dense else wrap(sess, single, dev)
         sess.post((_RUN, info.wire, args, kwargs or None, [out._r.id]), device=where)
         return out
     if plan.view:

@@ -159,7 +159,7 @@ VALUE = 4
 class Plan:
     """Cached result of meta inference for one key: how to build the outputs and out ids."""
 
-    __slots__ = ("spec", "patches", "expect", "single_key", "view")
+    __slots__ = ("spec", "patches", "expect", "single_key", "view", "dense")
 
     def __init__(self, spec, patches, expect, single_key, view=False) -> None:
         self.spec = spec  # nested (kind, payload) mirroring the op's result
@@ -167,6 +167,8 @@ class Plan:
         self.expect = expect  # list of TensorMeta|None aligned with out ids, or None
         self.single_key = single_key  # fast path: one fresh tensor output with this key
         self.view = view  # outputs are views of argument 0: made locally, nothing is sent
+        # the single output is a plain contiguous tensor (`wrap_dense` makes it)
+        self.dense = single_key is not None and _tensor.is_dense_key(single_key)
 
 
 def _to_meta(x: Any, path: tuple, paths: dict, memo: dict) -> Any:

@@ -219,6 +219,24 @@ DEVICE: torch.device | None = None  # torch.device("rgpu", 0), set once the devi
 DEVICES: list[torch.device] = []  # torch.device("rgpu", i) per device index (rgpu.devices)
 
 
+def is_dense_key(key: Key) -> bool:
+    """True when `key` is what a fresh contiguous tensor of its shape and dtype has (strides,
+    offset 0, exactly its bytes, no conj/neg bit): `wrap_dense` can then leave them implicit."""
+    dtype, shape, stride, offset, nbytes, flags = key
+    if offset or flags:
+        return False
+    m = torch.empty(shape, dtype=dtype, device="meta")
+    return m.stride() == stride and m.untyped_storage().nbytes() == nbytes
+
+
+def wrap_dense(sess: Session, key: Key, dev: int = 0) -> RemoteTensor:
+    """`wrap` for a key `is_dense_key` accepted: PyTorch derives the strides, offset and storage
+    size itself, ~1 us less per wrapper (the most common output of all)."""
+    w = _make(RemoteTensor, key[1], dtype=key[0], device=DEVICES[dev] if dev else DEVICE)
+    w._r = Handle(sess, next_id(), key, None, dev) if dev else Handle(sess, next_id(), key)
+    return w
+
+
 def wrap(sess: Session, key: Key, dev: int = 0) -> RemoteTensor:
     """A new RemoteTensor with metadata `key` and a fresh id in `sess`, on device `dev`."""
     dtype, shape, stride, offset, nbytes, flags = key

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from rgpu import fast_meta, meta_fixes
+from rgpu import fast_meta, meta_fixes, tensor
 
 aten = torch.ops.aten
 
@@ -82,3 +82,42 @@ def test_off_the_plain_path_the_slow_path_decides():
     assert fast_meta.run(aten.cat.default, ([a, a.int()], 0), {}) is None
     b = a.bool()
     assert fast_meta.run(aten.sub.Tensor, (b, b), {}) is None  # the op's own error, slowly
+
+
+def _wrapper_layout(w: torch.Tensor) -> tuple:
+    return (w.dtype, tuple(w.shape), w.stride(), w.storage_offset(),
+            w.untyped_storage().nbytes(), w.is_contiguous(), w.is_conj())  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64, torch.int64])
+def test_dense_wrappers_have_the_layout_of_the_general_ones(dtype):
+    """`wrap_dense` leaves strides, offset and storage size to PyTorch: for every key that
+    `is_dense_key` accepts they must come out as the key says; every other key is refused."""
+    from rgpu.session import Session  # a stand-in session: wrappers only note their frees
+
+    sess = Session.__new__(Session)
+    sess.frees, sess.free_bytes = __import__("collections").deque(), 0
+    dense = refused = 0
+    for shape in [(), (0,), (3, 0, 2), (5,), (1,), (4, 1, 3), (1, 1), (2, 3, 4, 5)]:
+        base = torch.empty(shape, dtype=dtype, device="meta")
+        candidates = [base]
+        if base.dim() >= 2:
+            candidates.append(base.transpose(0, -1))
+        if base.numel() > 1:
+            candidates += [base.view(-1)[1:], base.view(-1)[: base.numel() - 1]]
+        if base.dim() == 4:
+            candidates.append(base.contiguous(memory_format=torch.channels_last))
+        if dtype.is_complex:
+            candidates.append(base.conj())
+        for m in candidates:
+            key = tensor.key_of_meta(m)
+            general = tensor.wrap(sess, key)
+            assert _wrapper_layout(general)[:5] == key[:5]
+            if tensor.is_dense_key(key):
+                dense += 1
+                assert _wrapper_layout(tensor.wrap_dense(sess, key)) == _wrapper_layout(general)
+            else:
+                refused += 1  # its layout is not that of a fresh tensor of its shape
+                fresh = torch.empty(m.shape, dtype=dtype, device="meta")
+                assert tensor.key_of_meta(fresh) != key
+    assert dense >= 8 and refused >= 8
