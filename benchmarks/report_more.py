@@ -118,21 +118,25 @@ def section_hf(doc: dict[str, Any]) -> list[str]:
     if base:
         lines += [
             "",
-            f"The same benchmark at {base['commit']} ({base['note']}): ratio, messages and "
-            "client CPU per step or token, then → now:",
+            f"The same benchmark at {base['commit']} ({base['note']}): ratio, messages, "
+            "client and server CPU per step or token, then → now:",
             "",
-            "| step | ratio then → now | messages then → now | client CPU ms then → now |",
-            "| --- | --- | --- | --- |",
+            "| step | ratio then → now | messages then → now | client CPU ms then → now "
+            "| server CPU ms then → now |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for kind, unit in (("training", "step"), ("decode", "token")):
             for name, old in base.get(kind, {}).items():
                 new = doc[kind][name]
+                server = f"server_cpu_ms_per_{unit}"
                 lines.append(
                     f"| {kind} {name} | {old['ratio_of_medians']:.2f}× → "
                     f"{new['ratio_of_medians']:.2f}× | {old[f'messages_per_{unit}']:.1f} → "
                     f"{new[f'messages_per_{unit}']:.1f} | "
                     f"{old[f'client_cpu_ms_per_{unit}']:.1f} → "
-                    f"{new[f'client_cpu_ms_per_{unit}']['median']:.1f} |"
+                    f"{new[f'client_cpu_ms_per_{unit}']['median']:.1f} | "
+                    + (f"{old[server]:.1f} → {new[server]['median']:.1f} |" if server in old
+                       else "– |")  # fmt: skip
                 )
     return lines + [""]
 
