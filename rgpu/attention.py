@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import current as _cur
+from .tensor import Traced
 
 aten = torch.ops.aten
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -32,17 +33,56 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
     return s.requires_grad_() if t.requires_grad else s
 
 
+# What the chooser reads besides its arguments: the `sdpa_kernel(...)` switches (those this
+# torch has)
+_SWITCHES = tuple(
+    getattr(torch._C, name)
+    for name in ("_get_flash_sdp_enabled", "_get_math_sdp_enabled",
+                 "_get_mem_efficient_sdp_enabled", "_get_cudnn_sdp_enabled",
+                 "_get_overrideable_sdp_enabled", "_get_math_sdp_allow_fp16_bf16_reduction")
+    if hasattr(torch._C, name)
+)  # fmt: skip
+_CHOICES: dict = {}  # the chooser's answers by layout (decoding asks with the same few layouts)
+_MAX_CHOICES = 4096  # a growing KV cache adds a layout a token: forget them all now and then
+
+
+def _choice_key(q, k, v, attn_mask, *flags) -> tuple | None:
+    """The chooser's inputs as a hashable key; None for tensors torch.compile is tracing."""
+    try:
+        tensors = tuple(
+            None if t is None else (t._r.key, t.requires_grad) for t in (q, k, v, attn_mask)
+        )
+    except (AttributeError, Traced):
+        return None
+    switches = tuple(get() for get in _SWITCHES)
+    return (tensors, flags, torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(),
+            switches)  # fmt: skip
+
+
 def _cpu_would_fuse(
     q, k, v, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa
 ) -> bool:
     """Whether local CPU torch would run this call as its fused flash kernel: asked of PyTorch's
     own chooser (`torch._fused_sdp_choice`), so masks, grouped-query heads, strides and
-    `sdpa_kernel(...)` settings are decided exactly as on the CPU."""
+    `sdpa_kernel(...)` settings are decided exactly as on the CPU. Answers are kept by layout:
+    asking builds CPU stand-ins the size of q, k and v."""
     session = _cur._current
     if session is None or not session.device.startswith("cpu"):
         return False
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
         return False  # an error on the CPU: the math path raises it
+    key = _choice_key(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    fused = _CHOICES.get(key) if key is not None else None
+    if fused is None:
+        fused = _ask_chooser(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if key is not None:
+            if len(_CHOICES) >= _MAX_CHOICES:
+                _CHOICES.clear()
+            _CHOICES[key] = fused
+    return fused
+
+
+def _ask_chooser(q, k, v, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa) -> bool:
     try:
         with _disable_current_modes():  # while torch.compile traces: real CPU stand-ins, not fakes
             choice = torch._fused_sdp_choice(

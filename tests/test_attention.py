@@ -165,3 +165,45 @@ def test_sdpa_kernel_math_is_respected(session):
         out_r = F.scaled_dot_product_attention(*remote, is_causal=True)
     assert rgpu.stats()["messages"] - m0 > 5  # the math path's ops, not the fused one
     torch.testing.assert_close(out_r.cpu(), out, rtol=1e-5, atol=1e-6)
+
+
+def test_the_chooser_is_asked_once_per_layout_and_its_switches_still_count(session, monkeypatch):
+    """The CPU's choice is kept by layout (asking builds q/k/v-sized stand-ins): a repeated
+    call does not ask again, and what else the chooser reads (sdpa_kernel switches,
+    requires_grad, grad mode) still changes the path, as on the CPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rgpu import attention
+
+    asked = []
+    real = torch._fused_sdp_choice
+    monkeypatch.setattr(
+        torch, "_fused_sdp_choice", lambda *a, **k: asked.append(1) or real(*a, **k)
+    )
+    attention._CHOICES.clear()
+    cpu, remote = _qkv(2, 2, 16, 8, seed=6)
+    plain = [t.detach() for t in remote]
+
+    def messages(fn) -> int:
+        torch.rgpu.synchronize()
+        m0 = rgpu.stats()["messages"]
+        fn()
+        return rgpu.stats()["messages"] - m0
+
+    for _ in range(3):  # fused, asked once
+        assert messages(lambda: F.scaled_dot_product_attention(*remote, is_causal=True)) == 1
+    assert len(asked) == 1
+    with sdpa_kernel(SDPBackend.MATH):  # the switch is part of the question
+        assert messages(lambda: F.scaled_dot_product_attention(*remote, is_causal=True)) > 5
+        out_r = F.scaled_dot_product_attention(*remote, is_causal=True)
+        out = F.scaled_dot_product_attention(*cpu, is_causal=True)
+    torch.testing.assert_close(out_r.cpu(), out, rtol=1e-5, atol=1e-6)
+    assert len(asked) == 2
+    with torch.no_grad():  # other inputs to the chooser: asked again, then kept
+        F.scaled_dot_product_attention(*remote, is_causal=True)
+        F.scaled_dot_product_attention(*remote, is_causal=True)
+    F.scaled_dot_product_attention(*plain, is_causal=True)
+    assert len(asked) == 4
+    out_r = F.scaled_dot_product_attention(*remote, is_causal=True)
+    out = F.scaled_dot_product_attention(*cpu, is_causal=True)
+    assert torch.equal(out_r.cpu(), out) and len(asked) == 4
