@@ -6,7 +6,8 @@ seed, a compiled-graph call, ...) and at `Session.flush()`. Each segment is reco
 form (rgpu.sequences); when a segment repeats one recorded before, the two become a template.
 When a later segment starts with a template's first op, its RUNs are *held* instead of queued,
 each checked against the template (byte for byte, varying floats aside, and its output ids); held
-ops go out as one REPLAY every `flush_ops` ops, before a FREE, and when the segment ends. The
+ops are queued as one REPLAY every `flush_ops` ops, before a FREE, and when the segment ends (the
+queue goes out as `cut` says). The
 first op that differs ends the replay: the held ops before it go out as a REPLAY of what matched,
 it and the rest of the segment as RUNs. So the server always runs exactly the ops the program
 issued, in order; a held op's output ids are the ids the client already minted.
