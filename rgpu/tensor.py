@@ -225,7 +225,10 @@ def is_dense_key(key: Key) -> bool:
     dtype, shape, stride, offset, nbytes, flags = key
     if offset or flags:
         return False
-    m = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        m = torch.empty(shape, dtype=dtype, device="meta")
+    except RuntimeError:  # a dtype the meta device refuses: the general wrapper will do
+        return False
     return m.stride() == stride and m.untyped_storage().nbytes() == nbytes
 
 
