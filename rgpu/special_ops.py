@@ -128,6 +128,8 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
         )
     sess = _session_of(dst)
     check_session(dst, sess)
+    if src.numel() == 0:  # the check above made dst empty too: nothing to copy, no message
+        return dst
     sess.upload(dst, src)
     return dst
 
@@ -141,6 +143,11 @@ def _is_pinned(func, info, args, kwargs):
     return False
 
 
+def _lift_fresh(func, info, args, kwargs):
+    """`lift_fresh` returns its argument (`torch.tensor(...)` ends with it): no message."""
+    return args[0]
+
+
 def _set_storage(func, info, args, kwargs):
     raise NotImplementedError(
         "rgpu tensors cannot be pointed at a raw Storage; use set_(other_tensor)"
@@ -152,6 +159,7 @@ HANDLERS = {
     aten.copy_.default: _copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.is_pinned.default: _is_pinned,
+    aten.lift_fresh.default: _lift_fresh,
     aten.set_.source_Storage: _set_storage,
     aten.set_.source_Storage_storage_offset: _set_storage,
 }  # installed into plans.SPECIAL by rgpu._registration

@@ -102,3 +102,17 @@ def test_a_view_keeps_its_base_alive_on_the_server(dev, session):
         0
     )  # metadata change on a lazy view: it gets its own entry
     assert v.shape == (1, 4) and torch.equal(v.cpu(), torch.arange(2.0, 6.0).unsqueeze(0))
+
+
+def test_torch_tensor_is_one_message_and_its_upload(dev, counted):
+    # empty_strided and the UPLOAD of its bytes; `lift_fresh`, which torch.tensor ends with,
+    # returns its argument and sends nothing; an empty tensor has no bytes to upload
+    t = torch.tensor([[1.5, -2.0], [0.0, 3.25]], device=dev)
+    assert counted()["messages"] == 2
+    e = torch.tensor([], device=dev)
+    assert counted()["messages"] == 3
+    g = torch.tensor([1.0, 2.0], device=dev, requires_grad=True)
+    assert counted()["messages"] == 5 and g.is_leaf and g.requires_grad
+    assert torch.equal(t.cpu(), torch.tensor([[1.5, -2.0], [0.0, 3.25]]))
+    assert e.cpu().shape == (0,) and e.stride() == torch.tensor([]).stride()
+    assert torch.equal(torch.cat([e, g.detach()]).cpu(), torch.tensor([1.0, 2.0]))
