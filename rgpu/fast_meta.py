@@ -3,7 +3,7 @@
 Why: generation misses the plan cache on every token (the KV cache grows; a slice of the growing
 ids has new strides), and the Python reference kernels behind `cat` and pointwise arithmetic on
 meta tensors take 0.4-0.9 ms a call on this machine, a tenth of a small model's decode step. The
-rules here are the kernels' own: TensorIterator's layout (`meta_fixes.tensor_iterator_strides`,
+rules here are the kernels' own: TensorIterator's layout (`strides.tensor_iterator_strides`,
 which the slow path applies too) and `cat`'s output memory format. Anything off the plain path
 (mixed dtypes, Python numbers, `alpha`, empty inputs, channels-last cats) returns None and goes
 the slow way, which also raises the op's own errors.
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch._prims_common import suggest_memory_format
 
-from .meta_fixes import tensor_iterator_strides
+from .strides import tensor_iterator_strides
 
 aten = torch.ops.aten
 _META = torch.device("meta")

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch._meta_registrations as _meta_registrations
 
+from .strides import empty_like_strides, row_major, tensor_iterator_strides
+
 _local = threading.local()
 _torch_device_hint = _meta_registrations.device_hint
 
@@ -61,9 +63,12 @@ def device_type(device: str) -> str:
 def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
     """The op's outputs on meta tensors, laid out as a `device` server will lay them out."""
     saved = getattr(_local, "device", None)
-    _local.device = device
+    _local.device = "cuda" if func in _AS_CUDA else device
     try:
-        out = func(*args, **kwargs)
+        if func in _BF16_ONLY and args[0].dtype != torch.bfloat16:
+            out = _as_bfloat16(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
     finally:
         _local.device = saved
     if _FOLLOWS_TENSOR_ITERATOR.get(func) is None:
@@ -78,7 +83,25 @@ def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
         suggested = _SUGGESTED_FORMAT.get(name)
         if suggested is not None and len(args) > suggested:
             out = _relayout_suggested(out, args[suggested])
+        elif name in _CONTIGUOUS_OUTPUTS:
+            out = _relayout_contiguous(out)
     return out
+
+
+# Ops every rgpu server runs with CUDA's semantics, whatever its device (server/kernels.py): their
+# meta kernels must not refuse what only the CPU kernel refuses.
+_AS_CUDA = {torch.ops.aten.histc.default}
+
+
+# Ops whose meta kernel takes bfloat16 only, where the CPU kernel (and CUDA's, since torch 2.10)
+# takes every floating type: predicted from bfloat16 stand-ins, their layout asked of the server.
+_BF16_ONLY = {torch.ops.aten._grouped_mm.default}
+
+
+def _as_bfloat16(func, args: tuple, kwargs: dict) -> Any:
+    dtype = kwargs.get("out_dtype") or args[0].dtype
+    a, b = (t.to(torch.bfloat16) if t.dtype == args[0].dtype else t for t in args[:2])
+    return func(a, b, *args[2:], **kwargs).to(dtype)
 
 
 # Ops whose output is `empty_like(argument n)` in its memory format, by n: c10 keeps that
@@ -96,6 +119,26 @@ _SUGGESTED_FORMAT = {
     "replication_pad2d_backward": 1, "replication_pad3d_backward": 1,
     "replication_pad3d": 0, "reflection_pad3d": 0,
 }  # fmt: skip
+
+
+# Backwards whose kernels allocate every output contiguous, on the CPU and CUDA alike (layer norm
+# makes its input contiguous first; the softmax backwards' structured meta asks for a contiguous
+# gradient); their Python meta kernels are pointwise formulas that follow a transposed gradient.
+_CONTIGUOUS_OUTPUTS = {
+    "native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data",
+}  # fmt: skip
+
+
+def _relayout_contiguous(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return (
+            out
+            if out.is_contiguous()
+            else torch.empty_like(out, memory_format=torch.contiguous_format)
+        )
+    if isinstance(out, tuple):
+        return tuple(_relayout_contiguous(o) for o in out)
+    return out
 
 
 def _relayout_suggested(out: Any, x: Any) -> Any:
@@ -116,7 +159,7 @@ def _relayout_like(out: Any, x: Any, kwargs: dict) -> Any:
         or out.shape != x.shape
     ):
         return out
-    strides = _empty_like_strides(tuple(x.shape), x.stride())
+    strides = empty_like_strides(tuple(x.shape), x.stride())
     if out.stride() == strides:
         return out
     return torch.empty_strided(out.shape, strides, dtype=out.dtype, device="meta")
@@ -129,7 +172,8 @@ _FOLLOWS_TENSOR_ITERATOR: dict[Any, bool] = {}
 _NOT_TENSOR_ITERATOR = {"clone", "masked_fill", "positive"}
 aten = torch.ops.aten
 _SCALAR_IS_A_PARAMETER = {aten.pow.Tensor_Scalar}  # a unary kernel with the exponent as a constant
-_OPERANDS_REVERSED = {aten.threshold_backward.default}  # TensorIterator gets (self, grad_output)
+# TensorIterator gets (self, grad_output): the output follows self's layout, not the gradient's
+_OPERANDS_REVERSED = {aten.threshold_backward.default, aten.leaky_relu_backward.default}
 # these allocate their output row-major themselves, then run TensorIterator into it: pow.Scalar
 # (then pow.Tensor_Tensor), angle of a complex tensor (computed complex, then copied to real)
 _ROW_MAJOR = {aten.pow.Scalar}
@@ -195,9 +239,9 @@ def _relayout_pointwise(func, out: Any, args: tuple, kwargs: dict, device: str) 
     if any(tuple(o.shape) != shape or any(o is a for _, a in inputs) for o in outs):
         return out
     if func in _ROW_MAJOR or (func is aten.angle.default and inputs[0][1].is_complex()):
-        strides = _row_major(shape)
+        strides = row_major(shape)
     elif func is aten.abs.default and inputs[0][1].is_complex():
-        strides = _empty_like_strides(shape, inputs[0][1].stride())  # abs_out into empty_like
+        strides = empty_like_strides(shape, inputs[0][1].stride())  # abs_out into empty_like
     else:
         layouts = [
             ((), ()) if not isinstance(a, torch.Tensor) else (tuple(a.shape), a.stride())
@@ -211,7 +255,7 @@ def _relayout_pointwise(func, out: Any, args: tuple, kwargs: dict, device: str) 
             layouts = [
                 (s, st)
                 if not isinstance(a, torch.Tensor) or n == "condition" or a.dtype == common
-                else (s, _empty_like_strides(s, st))
+                else (s, empty_like_strides(s, st))
                 for (n, a), (s, st) in zip(operands, layouts)
             ]
         strides = tensor_iterator_strides(layouts, shape)
@@ -240,151 +284,6 @@ def _common_dtype(values: list, outs: tuple) -> torch.dtype:
     return common
 
 
-def _empty_like_strides(shape: tuple, stride: tuple) -> tuple:
-    """The strides empty_like / .to() give: the input's own when c10 counts it dense (contiguous,
-    channels-last or non-overlapping and dense), else c10's infer_dense_strides."""
-    if _contiguous(shape, stride) or _channels_last(shape, stride):
-        return tuple(stride)
-    if _non_overlapping_and_dense(shape, stride):
-        return tuple(stride)
-    ndim = len(shape)
-    perm = list(range(ndim - 1, -1, -1))
-
-    def should_swap(d0: int, d1: int) -> int:
-        s0, s1 = stride[d0], stride[d1]
-        if s0 == 0 or s1 == 0:
-            return 0
-        if s0 != s1:
-            return -1 if s0 < s1 else 1
-        return 1 if shape[d0] > shape[d1] else 0
-
-    _insertion_sort(perm, should_swap)
-    out = [0] * ndim
-    step = 1
-    for d in perm:
-        out[d] = step
-        if shape[d] > 1:
-            step *= shape[d]
-    return tuple(out)
-
-
-def _insertion_sort(perm: list[int], should_swap) -> None:
-    """TensorIterator's sort of dims, fastest first, that leaves ambiguous pairs in place."""
-    for i in range(1, len(perm)):
-        dim1 = i
-        for dim0 in range(i - 1, -1, -1):
-            c = should_swap(perm[dim0], perm[dim1])
-            if c > 0:
-                perm[dim0], perm[dim1] = perm[dim1], perm[dim0]
-                dim1 = dim0
-            elif c < 0:
-                break
-
-
-def _contiguous(shape: tuple, stride: tuple) -> bool:
-    """c10's is_contiguous: size-1 dims may have any stride, an empty tensor is contiguous."""
-    if 0 in shape:
-        return True
-    expected = 1
-    for d in range(len(shape) - 1, -1, -1):
-        if shape[d] != 1:
-            if stride[d] != expected:
-                return False
-            expected *= shape[d]
-    return True
-
-
-def _channels_last(shape: tuple, stride: tuple) -> bool:
-    """c10's is_contiguous(memory_format=torch.channels_last) (no shortcut for empty tensors)."""
-    if len(shape) != 4:
-        return False
-    expected = 1
-    for d in (1, 3, 2, 0):
-        if shape[d] != 1:
-            if stride[d] != expected:
-                return False
-            expected *= shape[d]
-    return True
-
-
-def _non_overlapping_and_dense(shape: tuple, stride: tuple) -> bool:
-    """c10's compute_non_overlapping_and_dense."""
-    if len(shape) == 1:
-        return shape[0] < 2 or stride[0] == 1
-    expected = 1
-    for d in sorted(range(len(shape)), key=lambda d: (shape[d] < 2, stride[d])):
-        if shape[d] < 2:
-            return True
-        if stride[d] != expected:
-            return False
-        expected *= shape[d]
-    return True
-
-
-def _row_major(shape: tuple) -> tuple:
-    """c10's contiguous strides (a size-0 dim counts as 1)."""
-    strides = [0] * len(shape)
-    step = 1
-    for d in range(len(shape) - 1, -1, -1):
-        strides[d] = step
-        step *= max(shape[d], 1)
-    return tuple(strides)
-
-
-def tensor_iterator_strides(inputs: list[tuple[tuple, tuple]], shape: tuple) -> tuple | None:
-    """The strides TensorIterator gives a fresh output of `shape` for inputs given as (shape,
-    stride) pairs, in argument order (aten/src/ATen/TensorIterator.cpp: compute_fast_setup_type,
-    compute_strides, reorder_dimensions, allocate_or_resize_outputs). None: inputs that do not
-    broadcast to `shape`."""
-    ndim = len(shape)
-    if ndim == 0:
-        return ()
-    if all(s == shape for s, _ in inputs):  # the fast set-ups
-        if all(_contiguous(s, st) for s, st in inputs):
-            return _row_major(shape)
-        if all(_channels_last(s, st) for s, st in inputs):
-            n, c, h, w = shape  # c10's get_channels_last_strides_2d (no max(size, 1))
-            return (h * w * c, 1, w * c, c)
-        if all(_non_overlapping_and_dense(s, st) for s, st in inputs):
-            if all(st == inputs[0][1] for _, st in inputs):
-                return tuple(inputs[0][1])
-    strides = []  # each input's strides over the output's dims; 0 where it is broadcast
-    for s, st in inputs:
-        offset = ndim - len(s)
-        if offset < 0:
-            return None
-        full = [0] * ndim
-        for i, (size, step) in enumerate(zip(s, st)):
-            if size != shape[offset + i] and size != 1:
-                return None
-            full[offset + i] = 0 if size == 1 and shape[offset + i] != 1 else step
-        strides.append(full)
-
-    def should_swap(dim0: int, dim1: int) -> int:
-        for full in strides:
-            s0, s1 = full[dim0], full[dim1]
-            if s0 == 0 or s1 == 0:
-                continue
-            if s0 < s1:
-                return -1
-            if s0 > s1:
-                return 1
-            if shape[dim0] > shape[dim1]:
-                return 1
-        return 0
-
-    perm = list(range(ndim - 1, -1, -1))  # perm[0] is the fastest-moving dim
-    _insertion_sort(perm, should_swap)
-    if perm == list(range(ndim - 1, -1, -1)):
-        return _row_major(shape)
-    out = [0] * ndim
-    step = 1
-    for d in perm:  # TensorIterator's compatible_stride: no max(size, 1) here
-        out[d] = step
-        step *= shape[d]
-    return tuple(out)
-
-
 # -- 3. ops whose layout only the server knows -------------------------------------------------
 
 # The real kernels' outputs differ by device in ways no meta kernel can predict:
@@ -393,18 +292,20 @@ def tensor_iterator_strides(inputs: list[tuple[tuple, tuple]], shape: tuple) -> 
 # - embedding_bag: the CPU leaves offset2bag / bag_size empty on its fast path;
 # - FFTs, SVD, eig: strides depend on the library the device calls (cuFFT / MKL / pocketfft);
 # - max_unpool2d: the CPU keeps a channels-last input's layout, CUDA does not;
+# - _grouped_mm: its meta kernel pads rows for bfloat16, which `_BF16_ONLY` predicts it from;
 # - ldexp, mvlgamma: compositions of several pointwise ops (CompositeExplicitAutograd), laid out
 #   by neither TensorIterator's rule for one op nor their Python meta kernels.
 _ASK_SERVER = re.compile(
     r"^(_linalg_svd|linalg_eig|_linalg_eig|_fft_r2c|_fft_c2r|_fft_c2c|native_batch_norm"
     r"|_native_batch_norm_legit\w*|_batch_norm_with_update\w*|_embedding_bag_forward_only"
-    r"|_embedding_bag|max_unpool2d|ldexp|mvlgamma)$"
+    r"|_embedding_bag|max_unpool2d|ldexp|mvlgamma|_grouped_mm)$"
 )
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
 _CONVOLUTIONS = {"convolution", "_convolution", "convolution_backward"}
-_ASK_SOMETIMES = {"native_layer_norm", "native_batch_norm_backward", *_CONVOLUTIONS}
+_BATCH_NORM_BACKWARDS = {"native_batch_norm_backward", "batch_norm_backward"}
+_ASK_SOMETIMES = {"native_layer_norm", *_BATCH_NORM_BACKWARDS, *_CONVOLUTIONS}
 
 
 def may_ask_server(name: str) -> bool:
@@ -418,9 +319,10 @@ def must_ask_server(func, args: tuple) -> bool:
     if name == "native_layer_norm":
         # layer norm's mean and rstd: float32 on CUDA, the input's dtype on the CPU
         return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in _REDUCED
-    if name == "native_batch_norm_backward":
-        # the gradient of a channels-last input: channels-last on the CPU in reduced precision
-        return bool(args) and isinstance(args[1], torch.Tensor) and not args[1].is_contiguous()
+    if name in _BATCH_NORM_BACKWARDS:
+        # the gradient of a channels-last input: channels-last on the CPU in reduced precision;
+        # of a transposed gradient: as the input, where the meta kernels follow the gradient
+        return not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in args[:2])
     if name in _CONVOLUTIONS:
         # the meta kernels always answer contiguous; the backend the device picks (mkldnn,
         # cuDNN, ...) lays a channels-last input or weight out channels-last

@@ -289,3 +289,22 @@ def test_matmul_reductions_and_nn_functional(dev):
     assert torch.equal(idx.cpu(), a.max(1).indices)
     torch.testing.assert_close(torch.linalg.svdvals(ra).cpu(), torch.linalg.svdvals(a))
     torch.testing.assert_close(torch.fft.rfft(ra).cpu(), torch.fft.rfft(a))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_histc_counts_integers_as_cuda_does(dev, dtype):
+    """On an accelerator transformers counts tokens per expert with `histc` of integer ids, which
+    the CPU kernel refuses and CUDA's takes: every rgpu server counts them as CUDA does (bins in
+    integer arithmetic, the top edge in the last bin, values outside the range not counted)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 50, (300,), generator=gen, dtype=torch.int64).to(dtype)
+    for bins, lo, hi in [(7, 0, 6), (10, 0, 49), (4, 3, 20), (5, 0, 0), (3, 10.9, 30.2)]:
+        want = torch.histc(x.double(), bins, int(lo), int(hi)).to(dtype)
+        got = torch.histc(x.to(dev), bins, lo, hi)
+        assert got.dtype == dtype
+        assert torch.equal(got.cpu(), want), (bins, lo, hi)
+    assert torch.equal(torch.histc(x.to(dev), 4, 60, 70).cpu(), torch.zeros(4, dtype=dtype))
+    same = torch.full((5,), 7, dtype=dtype)  # one value: the range widens to [6, 8], as on CUDA
+    assert torch.histc(same.to(dev), 3).cpu().tolist() == [0, 5, 0]
+    floats = torch.randn(100, generator=gen)
+    assert torch.equal(torch.histc(floats.to(dev), 6, -1, 1).cpu(), torch.histc(floats, 6, -1, 1))

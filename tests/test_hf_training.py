@@ -1,7 +1,9 @@
 """Hugging Face models train on rgpu exactly as on local CPU torch: every gradient of a step,
 bit for bit, and the losses of three AdamW steps. Small configs of transformers' own classes:
 a causal LM (GPT-2), one with grouped-query attention and SiLU (Llama), an encoder with a
-padding mask (BERT) and a vision model (ViT)."""
+padding mask (BERT), vision models (ViT; Swin, whose pooling hands layer norm's backward a
+transposed gradient) and a mixture of experts (Mixtral: top-k routing, `histc` on integer expert
+ids and `grouped_mm`, the paths transformers takes on an accelerator)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,25 @@ def _vit():
         "pixel_values": PIXELS, "labels": torch.tensor([1, 4, 0])}  # fmt: skip
 
 
-@pytest.mark.parametrize("make", [_gpt2, _llama, _bert, _vit], ids=["gpt2", "llama", "bert", "vit"])
+def _swin():
+    cfg = transformers.SwinConfig(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1],
+                                  num_heads=[2, 2], window_size=4, num_labels=5,
+                                  drop_path_rate=0.0)  # fmt: skip
+    return transformers.SwinForImageClassification(cfg), {
+        "pixel_values": PIXELS, "labels": torch.tensor([1, 4, 0])}  # fmt: skip
+
+
+def _mixtral():
+    return transformers.MixtralForCausalLM(MIXTRAL), {"input_ids": IDS, "labels": IDS}
+
+
+MIXTRAL = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=64, vocab_size=300,
+                                     num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+MODELS = [_gpt2, _llama, _bert, _vit, _swin, _mixtral]
+
+
+@pytest.mark.parametrize("make", MODELS, ids=[m.__name__[1:] for m in MODELS])
 def test_gradients_and_adamw_steps_equal_the_cpu(session, make):
     torch.manual_seed(0)
     cpu, batch = make()
@@ -71,3 +91,18 @@ def test_gradients_and_adamw_steps_equal_the_cpu(session, make):
         opt_r.zero_grad()
     for (name, p), q in zip(cpu.named_parameters(), remote.parameters()):
         assert torch.equal(q.detach().cpu(), p.detach()), name
+
+
+def test_a_mixture_of_experts_generates_the_cpus_tokens(session):
+    torch.manual_seed(0)
+    cpu = transformers.MixtralForCausalLM(MIXTRAL).eval()
+    remote = copy.deepcopy(cpu).to("rgpu")
+    prompt = IDS[:1, :6]
+    kw = {"max_new_tokens": 10, "min_new_tokens": 10, "pad_token_id": 0}
+    want = cpu.generate(prompt, do_sample=False, **kw)
+    assert torch.equal(remote.generate(prompt.to("rgpu"), do_sample=False, **kw).cpu(), want)
+    torch.manual_seed(3)
+    want = cpu.generate(prompt, do_sample=True, top_k=20, **kw)
+    torch.manual_seed(3)
+    got = remote.generate(prompt.to("rgpu"), do_sample=True, top_k=20, **kw).cpu()
+    assert torch.equal(got, want)

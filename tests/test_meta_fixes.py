@@ -2,7 +2,8 @@
 
 The client builds views of an op's outputs from its predicted layout, so a wrong prediction reads
 wrong elements without an error. Without a server, every aten op that PyTorch's OpInfo samples
-reach (its first two samples, forward in float32 and bfloat16, backward in float32), and pointwise ops on random layouts
+reach (its first two samples, forward in float32 and bfloat16, backward in float32 from the summed
+outputs and from gradients laid out transposed), and pointwise ops on random layouts
 (transposed, expanded, broadcast, sliced, empty), must be predicted with the CPU's dtype, shape
 and strides where they address memory. Ops that learn their layout from the server
 (`meta_fixes.must_ask_server`) are left out. End to end, the issue's own examples read the right
@@ -24,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import rgpu
-from rgpu import meta_fixes
+from rgpu import meta_fixes, strides
 
 torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
@@ -92,6 +93,15 @@ def _samples(op, dtype, requires_grad: bool, k: int = 2) -> list:
     return list(itertools.islice(op.sample_inputs("cpu", dtype, requires_grad=requires_grad), k))
 
 
+def _transposed_gradient(o: torch.Tensor, order: str) -> torch.Tensor:
+    """A gradient of `o`'s shape laid out with its dims reversed or its first two swapped: what a
+    transpose after the op hands its backward (Swin's pooling, a layer norm's output)."""
+    if o.dim() < 2:
+        return torch.randn(o.shape, dtype=o.dtype)
+    perm = list(range(o.dim()))[::-1] if order == "reversed" else [1, 0, *range(2, o.dim())]
+    return torch.randn([o.shape[p] for p in perm], dtype=o.dtype).permute(*perm)
+
+
 def _loss(out):
     terms = [
         (torch.view_as_real(o) if o.is_complex() else o).sum()
@@ -103,16 +113,18 @@ def _loss(out):
 
 @pytest.mark.parametrize(
     "dtype, grad",
-    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
-    ids=["float32", "bfloat16", "float32-backward"],
-)
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+     (torch.float32, "reversed"), (torch.float32, "swapped")],
+    ids=["float32", "bfloat16", "float32-backward", "backward-of-a-reversed-gradient",
+         "backward-of-a-swapped-gradient"],
+)  # fmt: skip
 def test_every_op_the_opinfo_samples_reach_is_predicted_with_the_cpus_layout(dtype, grad):
     mode = PredictEveryOp()
     ran = 0
     for op in torch_testing.op_db:
         if dtype not in op.supported_dtypes("cpu") or (grad and not op.supports_autograd):
             continue
-        for sample in _samples(op, dtype, grad):
+        for sample in _samples(op, dtype, bool(grad)):
             try:
                 with mode:
                     out = op(sample.input, *sample.args, **sample.kwargs)
@@ -122,8 +134,13 @@ def test_every_op_the_opinfo_samples_reach_is_predicted_with_the_cpus_layout(dty
                         for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
                         if isinstance(t, torch.Tensor) and t.requires_grad
                     ]
-                    if loss is not None and leaves:
+                    if loss is not None and leaves and grad is True:
                         torch.autograd.grad(loss, leaves, allow_unused=True)
+                    elif loss is not None and leaves:
+                        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)
+                                and o.requires_grad and o.is_floating_point()]  # fmt: skip
+                        grads = [_transposed_gradient(o, grad) for o in outs]
+                        torch.autograd.grad(outs, leaves, grads, allow_unused=True)
                 ran += 1
             except Exception:
                 continue  # the sample is invalid on the CPU
@@ -229,7 +246,7 @@ def test_pointwise_ops_on_random_layouts_are_predicted_with_the_cpus_strides():
 
 
 def test_tensor_iterator_strides_follow_the_layout_of_the_decisive_input():
-    tis = meta_fixes.tensor_iterator_strides
+    tis = strides.tensor_iterator_strides
     assert tis([((2, 3), (3, 1)), ((2, 3), (3, 1))], (2, 3)) == (3, 1)  # contiguous fast path
     assert tis([((2, 3), (0, 0)), ((2, 3), (1, 2))], (2, 3)) == (
         1,

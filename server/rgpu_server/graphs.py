@@ -30,7 +30,7 @@ from rgpu_protocol import (
     ProtocolError,
 )
 
-from .ops import OpRefused, resolve
+from .ops import CALLS, OpRefused, resolve
 
 log = logging.getLogger("rgpu_server")
 COMPILERS = ("inductor", "eager")
@@ -203,7 +203,8 @@ def build(nodes: Any, device: torch.device) -> tuple[torch.fx.GraphModule, bool]
             except OpRefused as e:
                 raise GraphRefused(str(e)) from None
             seeded = seeded or resolved.seeded or resolved.takes_generator
-            made.append(graph.call_function(resolved.op, tuple(arg(node[2])), arg(node[3])))
+            target = CALLS.get(node[1], resolved.op)  # a kernel this backend replaces
+            made.append(graph.call_function(target, tuple(arg(node[2])), arg(node[3])))
         elif (
             kind == NodeTag.GETITEM
             and len(node) == 3

@@ -1,5 +1,9 @@
 """Kernels PyTorch provides only for CUDA, written in aten ops for CPU and MPS servers.
 
+The client takes CUDA's side of every `device.type == "cpu"` branch in library code: Hugging
+Face's mixture-of-experts layers count tokens per expert with `histc` on integer expert ids on
+anything but a CPU, which the CPU kernel refuses. `histc` here counts integers as CUDA does.
+
 The client's autograd and composite ops take CUDA's paths for an accelerator device: an LSTM or
 GRU on rgpu becomes `_thnn_fused_lstm_cell` / `_thnn_fused_gru_cell` and their backwards, which
 exist only for CUDA. These follow the CUDA kernels (aten/src/ATen/native/cuda/RNN.cu) gate by gate,
@@ -10,6 +14,8 @@ server would.
 from __future__ import annotations
 
 import torch
+
+from . import ops
 
 _libs: list = []
 
@@ -83,6 +89,30 @@ def fused_gru_cell_backward(grad_hy, workspace, has_bias):
     return grad_input_gates, grad_hidden_gates, ghx, None, None
 
 
+_histc = torch.ops.aten.histc.default._op
+
+
+def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+    """`histc` with CUDA's integer support (aten/src/ATen/native/cuda/SummaryOps.cu): the range
+    in the input's type, bin `(x - min) * bins // (max - min)` in 64-bit integers, the top edge in
+    the last bin, values outside the range not counted; floating inputs go to PyTorch's kernel."""
+    if input.is_floating_point() or input.is_complex() or input.dtype is torch.bool:
+        return _histc(input, bins, min, max)
+    if bins <= 0:
+        raise RuntimeError(f"histc(): bins must be > 0, but got {bins}")
+    x = input.reshape(-1).long()
+    lo, hi = int(min), int(max)
+    if lo == hi and x.numel():
+        lo, hi = int(x.min()), int(x.max())
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    if lo > hi:
+        raise RuntimeError("max must be larger than min")
+    x = x[(x >= lo) & (x <= hi)]
+    which = ((x - lo) * bins).div(hi - lo, rounding_mode="floor").clamp_(max=bins - 1)
+    return torch.bincount(which, minlength=bins).to(input.dtype)
+
+
 def install(device: torch.device) -> None:
     """Register the kernels for the server's backend when PyTorch has none (once)."""
     if _libs or device.type == "cuda":
@@ -98,3 +128,4 @@ def install(device: torch.device) -> None:
         if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", key):
             lib.impl(name, fn, key)
     _libs.append(lib)
+    ops.CALLS["histc.default"] = histc

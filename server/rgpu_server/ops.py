@@ -43,6 +43,11 @@ SUBSTITUTES: dict[str, str] = {
 }
 
 
+# Ops this server's backend runs with a Python kernel in place of PyTorch's: `kernels.install`
+# fills it at start-up (CUDA's semantics where the CPU kernel refuses an input CUDA takes).
+CALLS: dict[str, Any] = {}
+
+
 class OpRefused(Exception):
     """The client named an operator it may not run; reported like any op failure."""
 
@@ -105,7 +110,7 @@ def resolve(name: str) -> ResolvedOp:
         "Tensor" in str(a.type) for a in args
     )
     resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded, writes, factory)
-    resolved.call = op._op
+    resolved.call = CALLS.get(name, op._op)
     resolved.plain = not takes_gen and not seeded
     _cache[name] = resolved
     return resolved
