@@ -30,6 +30,10 @@ WHOLE = ("silu_backward", "mish_backward", "native_channel_shuffle")
 WHOLE_WITHOUT_GRAD = ("linear", "matmul", "softmax.int", "log_softmax.int")
 
 
+_LINEAR = aten.linear.default
+_MATMULS = (aten.linear.default, aten.matmul.default)
+
+
 def _needs_grad(args: tuple, kwargs: dict) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -43,6 +47,39 @@ def _needs_grad(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _folds_differently(op: torch._ops.OpOverload, args: tuple) -> bool:
+    """True when PyTorch's `matmul` would fold this call into one `mm` here but not on the server.
+
+    `should_fold` (aten/src/ATen/native/LinearAlgebra.cpp) folds a batched operand times a matrix
+    whenever the matrix requires grad, which a parameter does even with grad disabled, and
+    otherwise only when the batch dims merge without a copy. No server tensor requires grad, so
+    for a sliced input (`hidden[:, -1:]` into `lm_head`, as generation does) the server would
+    run `bmm` and round differently from local torch; such a call breaks up here instead.
+    """
+    if len(args) < 2:
+        return False
+    a, b = args[0], args[1]
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    if op is _LINEAR:  # linear's matmul is input @ weight.t()
+        larger, small = a, b
+        shape, stride = a.shape, a.stride()
+    elif a.dim() >= b.dim():
+        larger, small = a, b
+        shape, stride = a.shape, a.stride()
+    else:
+        larger, small = b, a
+        shape = (*b.shape[:-2], b.shape[-1], b.shape[-2]) if b.dim() >= 2 else b.shape
+        stride = (*b.stride()[:-2], b.stride()[-1], b.stride()[-2]) if b.dim() >= 2 else b.stride()
+    if larger.dim() < 3 or small.dim() > 2 or not small.requires_grad:
+        return False
+    if a.dim() == 2:
+        return True  # the server would not fold
+    if larger.numel() == 0:
+        return False
+    return any(stride[i] != stride[i + 1] * shape[i + 1] for i in range(len(shape) - 2))
+
+
 def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     # PyTorch's C++ formula, the one local torch runs; not `op.decompose`, which prefers a
     # Python port where one is registered (matmul's took ~7% of a Llama training step's client
@@ -50,7 +87,7 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     composite = torch._C.DispatchKey.CompositeImplicitAutograd
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _needs_grad(args, kwargs):
+        if _needs_grad(args, kwargs) or (op in _MATMULS and _folds_differently(op, args)):
             return op._op_dk(composite, *args, **kwargs)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args, **kwargs)

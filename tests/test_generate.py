@@ -94,6 +94,26 @@ def test_greedy_tokens_equal_the_cpu_and_stop_at_the_eos(pair):
     assert torch.equal(got, expected)
 
 
+def test_a_left_padded_batch_has_the_cpus_tokens_scores_and_logits(pair):
+    """The prompt's last position goes to `lm_head` as a slice (`logits_to_keep=1`): its scores
+    were 1 ulp off the CPU's before `whole_ops` folded that matmul as local torch does."""
+    cpu, model = pair
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(6, 300, (3, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
+                  output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    want = cpu.generate(ids, attention_mask=mask, **kwargs)
+    got = model.generate(ids.to("rgpu"), attention_mask=mask.to("rgpu"), **kwargs)
+    assert torch.equal(got.sequences.cpu(), want.sequences)
+    assert len(got.scores) == len(want.scores) == len(got.logits) == 8
+    for mine, theirs in zip((*got.scores, *got.logits), (*want.scores, *want.logits)):
+        assert torch.equal(mine.cpu(), theirs)
+
+
 def test_the_waits_do_not_grow_with_the_tokens(slow_pair, lookahead):
     # over a 60 ms round trip no answer is there before its read, so each read is one wait (on
     # loopback a busy machine sometimes has the answer already, and the count moves by one)

@@ -115,3 +115,45 @@ def test_composites_with_a_gradient_break_up_and_train_as_on_the_cpu(session, ca
     assert torch.equal(out_r.detach().cpu(), out.detach())
     for a, r in zip(cpu, remote):
         assert torch.equal(r.grad.cpu(), a.grad)
+
+
+def _sliced_cases():
+    gen = torch.Generator().manual_seed(5)
+    h, w, m = (torch.randn(3, 7, 32, generator=gen), torch.randn(200, 32, generator=gen),
+               torch.randn(32, 9, generator=gen))  # fmt: skip
+    last = lambda t: t[:, -1:]  # noqa: E731  generation's lm_head input
+    swap = lambda t: t.transpose(0, 1)  # noqa: E731
+    return {  # (fn, batched input, how it is viewed, weight, weight first, weight requires grad):
+        # batch dims that do not merge without a copy, times a weight
+        "linear_last_position": (F.linear, h, last, w, False, True),
+        "linear_transposed_batch": (F.linear, h, swap, w, False, True),
+        "matmul_last_position": (torch.matmul, h, last, m, False, True),
+        "matrix_times_batch": (
+            torch.matmul,
+            h,
+            lambda t: t.transpose(1, 2)[:, :, :5],
+            m.t(),
+            True,
+            True,
+        ),  # fmt: skip
+        "weight_without_grad": (F.linear, h, last, w, False, False),
+    }
+
+
+@pytest.mark.parametrize("case", list(_sliced_cases()))
+def test_without_grad_a_weight_that_requires_grad_folds_as_on_the_cpu(session, case):
+    """PyTorch's matmul folds a batched input times a weight that requires grad into one mm even
+    with grad disabled; a server tensor never requires grad, so that call breaks up on the client
+    and rounds exactly as local torch (it went whole and ran bmm: 2e-6 off)."""
+    fn, h, view, w, weight_first, requires_grad = _sliced_cases()[case]
+    w_cpu = w.clone().requires_grad_(requires_grad)
+    w_r = w.to("rgpu").requires_grad_(requires_grad)
+    x_cpu, x_r = view(h), view(h.to("rgpu"))
+    assert x_r.stride() == x_cpu.stride()
+    with torch.no_grad():
+        if weight_first:
+            want, got = fn(w_cpu, x_cpu), fn(w_r, x_r)
+        else:
+            want, got = fn(x_cpu, w_cpu), fn(x_r, w_r)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    assert torch.equal(got.cpu(), want)
