@@ -135,8 +135,11 @@ def section_hf(doc: dict[str, Any]) -> list[str]:
                     f"{new[f'messages_per_{unit}']:.1f} | "
                     f"{old[f'client_cpu_ms_per_{unit}']:.1f} → "
                     f"{new[f'client_cpu_ms_per_{unit}']['median']:.1f} | "
-                    + (f"{old[server]:.1f} → {new[server]['median']:.1f} |" if server in old
-                       else "– |")  # fmt: skip
+                    + (
+                        f"{old[server]:.1f} → {new[server]['median']:.1f} |"
+                        if server in old
+                        else "– |"
+                    )  # fmt: skip
                 )
     return lines + [""]
 

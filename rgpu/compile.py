@@ -189,7 +189,9 @@ class ShippedGraph:
             dev = first.dev if first is not None else _devices.current()
             sess, where = _devices.session_of(dev, sess)
         if self.key not in sess.graphs:  # once per session: the server builds (or finds) it
-            sess.post((Kind.COMPILE, self.key, self.nodes, self.compiler, self.mode))
+            layouts = [[list(p[1]), list(p[2]), p[3], p[4]] if k == "new" else None
+                       for k, p in self.plan]  # fmt: skip
+            sess.post((Kind.COMPILE, self.key, self.nodes, self.compiler, self.mode, layouts))
             sess.graphs.add(self.key)
         refs = []
         handles = []  # held until the CALL is queued: an input freed earlier would reach the

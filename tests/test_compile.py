@@ -69,6 +69,40 @@ def test_compiled_mlp_training_equals_eager_with_one_graph_per_direction(session
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
+class _SequenceReduction(torch.nn.Module):
+    """SegFormer's: tokens back to an image by a permute, a strided convolution, tokens again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 2, stride=2)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, _, c = h.shape
+        y = self.conv(h.permute(0, 2, 1).reshape(b, c, 8, 8))
+        return self.norm(y.reshape(b, c, -1).permute(0, 2, 1))
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_graph_outputs_keep_the_layouts_the_client_traced(session, compiler):
+    """The server lays the convolution's weight gradient out channels-last (its input is), where
+    the client's trace said contiguous: the gradient read back was garbage (off by ~50). Outputs
+    now take the traced layout on the server."""
+    torch.manual_seed(0)
+    cpu = _SequenceReduction()
+    remote = copy.deepcopy(cpu).to("rgpu")
+    compiled = torch.compile(remote, backend=rgpu.compile_backend(compiler=compiler), dynamic=False)
+    h, g = torch.randn(2, 64, 8), torch.randn(2, 16, 8)
+    cpu(h).backward(g)
+    compiled(h.to("rgpu")).backward(g.to("rgpu"))
+    for (name, p), q in zip(cpu.named_parameters(), remote.parameters()):
+        assert q.grad.stride() == p.grad.stride(), name
+        if compiler == "eager":  # the server runs the traced aten ops one by one
+            assert torch.equal(q.grad.cpu(), p.grad), name
+        else:  # Inductor fuses and reorders the arithmetic
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_a_compiled_step_is_four_messages_and_one_wait_per_item(session):
     torch.manual_seed(0)
     model = seed_mlp().to("rgpu")
@@ -281,3 +315,18 @@ def test_two_sessions_compiling_at_once_on_a_preloading_server_both_get_compiled
     # ...and really compiled by Dynamo for each shape, besides the preload's graph
     assert last["dynamo_graphs"] == 3, outs
     assert "Inductor preloaded" in "\n".join(srv.log_lines)
+
+
+@pytest.mark.parametrize(
+    "layouts",
+    [{"0": 1}, [[[2, 3], [3]]], [[[2, 3], [3, 1], -1, 24]], [[[2], [1], 0, "24"]], [[2, 3]]],
+    ids=["not-an-array", "three-items", "negative-offset", "bytes-not-int", "not-a-layout"],
+)
+def test_malformed_compile_layouts_are_protocol_errors(layouts):
+    from rgpu_server.graph_messages import _layouts
+
+    from rgpu_protocol import ProtocolError
+
+    with pytest.raises(ProtocolError, match="layout"):
+        _layouts(layouts)
+    assert _layouts([None, [[2, 3], [1, 2], 0, 24]]) == (None, ((2, 3), (1, 2), 0, 24))

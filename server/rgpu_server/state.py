@@ -65,6 +65,7 @@ class SessionState:
         self.server_info: Callable[[], dict] | None = None  # facts about the whole server, for INFO
         self.pinned: torch.Tensor | None = None  # staging for chunks on their way to a GPU
         self.graphs: dict[str, graphs.Graph | Poison] = {}  # compiled graphs, by the client's key
+        self.graph_layouts: dict[str, tuple] = {}  # their outputs' layouts in the client's trace
         self.quota = Quota(quota) if quota is not None else None
         self.bad: Any = None  # first missing id or Poison met while decoding the current message
         self.refs: dict[int, int] = {}  # id() of each tensor the current message names -> its id
