@@ -97,6 +97,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
             return run_traced(func, args, kwargs)
         return info.special(func, info, args, kwargs)
     if info.wire is None:
+        if _any_traced(args, kwargs):
+            return _trace_non_aten(func, args, kwargs)
         return _run_non_aten(func, args, kwargs)
     sess = _cur._current or _cur.current()
     dev = 0
@@ -163,6 +165,17 @@ def _run_non_aten(func, args: tuple, kwargs: dict) -> Any:
 
 
 # -- torch.compile tracing ----------------------------------------------------------------------
+
+
+def _trace_non_aten(func, args: tuple, kwargs: dict) -> Any:
+    """A non-aten op under torch.compile: traced through its Python body where that body is
+    aten ops (the graph can ship); a body that reads data (a `tolist()` of offsets, as
+    transformers' grouped-mm fallback does) is traced as the op itself through its fake kernel,
+    and its graph then runs as eager remote ops."""
+    try:
+        return _run_non_aten(func, args, kwargs)
+    except Exception:
+        return run_traced(func, args, kwargs)
 
 
 def _any_traced(args: tuple, kwargs: dict) -> bool:

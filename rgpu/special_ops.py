@@ -154,8 +154,18 @@ def _set_storage(func, info, args, kwargs):
     )
 
 
+def _decomposed(func, info, args, kwargs):
+    """`to` with a device reaches __torch_dispatch__ itself (not its `_to_copy`) where autograd is
+    excluded, as inside a custom op's body; sent whole, `x.to("cpu")` stayed on rgpu."""
+    return func.decompose(*args, **kwargs)
+
+
 HANDLERS = {
     aten._to_copy.default: _to_copy,
+    aten.to.device: _decomposed,
+    aten.to.dtype_layout: _decomposed,
+    aten.to.other: _decomposed,
+    aten.type_as.default: _decomposed,
     aten.copy_.default: _copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.is_pinned.default: _is_pinned,

@@ -176,6 +176,8 @@ class RemoteTensor(torch.Tensor):
         return repr(self) if not spec else format(repr(self), spec)
 
     def tolist(self) -> Any:
+        if self._r is TRACED:  # the fake tensor's: a data-dependent error, not endless recursion
+            return self._rgpu_meta.tolist()
         return self.detach().cpu().tolist()
 
     def numpy(self, *, force: bool = False) -> Any:

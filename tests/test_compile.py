@@ -330,3 +330,54 @@ def test_malformed_compile_layouts_are_protocol_errors(layouts):
     with pytest.raises(ProtocolError, match="layout"):
         _layouts(layouts)
     assert _layouts([None, [[2, 3], [1, 2], 0, 24]]) == (None, ((2, 3), (1, 2), 0, 24))
+
+
+@torch.library.custom_op("rgpu_test_compile::by_group", mutates_args=())
+def by_group(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Scales each group of rows by its number, reading the group ends on the host (as
+    transformers' grouped-mm fallback for mixture-of-experts layers does)."""
+    out = torch.zeros_like(x)
+    start = 0
+    for i, end in enumerate(ends.cpu().tolist()):
+        out[start:end] = x[start:end] * (i + 1)
+        start = end
+    return out
+
+
+@by_group.register_fake
+def _(x, ends):
+    return torch.empty_like(x)
+
+
+def _by_group_backward(ctx, grad):
+    return by_group(grad, ctx.ends), None
+
+
+def _by_group_setup(ctx, inputs, output):
+    ctx.ends = inputs[1]
+
+
+by_group.register_autograd(_by_group_backward, setup_context=_by_group_setup)
+
+
+def _grouped(x, ends):
+    return by_group(x.sin(), ends).cos().sum()
+
+
+def test_a_custom_op_that_reads_its_input_on_the_host_runs_eagerly_and_compiled(session):
+    """Its body's `.cpu()` reached rgpu as `aten.to` (autograd is off inside a custom op) and
+    went to the server whole: `.cpu()` returned an rgpu tensor and `tolist()` recursed without
+    end, eagerly and under torch.compile (where Dynamo raised instead of falling back)."""
+    x, ends = torch.randn(6, 3, requires_grad=True), torch.tensor([2, 5, 6])
+    _grouped(x, ends).backward()
+    r = x.detach().to("rgpu").requires_grad_()
+    _grouped(r, ends.to("rgpu")).backward()
+    assert torch.equal(r.grad.cpu(), x.grad)
+    r.grad = None
+    compiled = torch.compile(_grouped, backend=rgpu.compile_backend(), dynamic=False)
+    rc._warned.clear()
+    with pytest.warns(UserWarning, match="eager remote ops because it calls rgpu_test_compile::"):
+        loss = compiled(r, ends.to("rgpu"))
+    loss.backward()
+    torch.testing.assert_close(r.grad.cpu(), x.grad)
+    assert torch.equal(loss.cpu(), _grouped(x.detach(), ends))

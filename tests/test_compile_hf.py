@@ -146,3 +146,26 @@ def test_a_graph_inductor_cannot_compile_runs_op_by_op_with_the_same_results(ses
     torch.testing.assert_close(torch.tensor(results["inductor"]), torch.tensor(results["eager"]),
                                rtol=1e-6, atol=1e-6)  # fmt: skip
     assert rgpu.session_info()["compile"]["graphs_run_op_by_op"] > before
+
+
+def test_compiled_mixture_of_experts_falls_back_where_it_must_and_trains_as_on_the_cpu(session):
+    """DeepSeek-V3's routed experts call transformers' `grouped_mm_fallback`, a custom op whose
+    body reads the expert offsets on the host. Dynamo raised (the body recursed in `tolist()`);
+    now the graphs with that op run as eager remote ops, with one warning each, and the rest
+    ship."""
+    torch.manual_seed(0)
+    cpu = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, vocab_size=500, max_position_embeddings=64, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+        n_group=1, topk_group=1))  # fmt: skip
+    remote = copy.deepcopy(cpu).to("rgpu")
+    compiled = torch.compile(remote, backend=rgpu.compile_backend(compiler="eager"), dynamic=False)
+    batch = {"input_ids": IDS, "labels": IDS}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, _ = _train(remote, batch, "rgpu", steps=2, compiled=compiled)
+    assert any("transformers::grouped_mm_fallback" in m for m in _fell_back(caught))
+    expected, _ = _train(cpu, batch, "cpu", steps=2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
