@@ -239,6 +239,8 @@ def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
         raise _rewrite_meta_error(e) from None
     if info.nontensor or (info.dynamic and not isinstance(out, (torch.Tensor, list, tuple))):
         return DYN
+    if info.write_rets and _writes_overlapping(info, margs, mkwargs):
+        return DYN
     _require_strided(out, func)
     if info.conform and meta_fixes.must_ask_server(func, margs):
         return DYN if info.write_rets else LEARN
@@ -254,6 +256,18 @@ def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
                   for k in _flat_new_keys(spec)]  # fmt: skip
     single = spec[1] if spec[0] == NEW and not patches and expect is None else None
     return Plan(spec, patches, expect, single)
+
+
+def _writes_overlapping(info: OpInfo, margs: tuple, mkwargs: dict) -> bool:
+    """True when a tensor the op writes has elements that share memory (an `expand`ed one).
+    Most kernels refuse that before writing, as meta kernels do not: run synchronously, the
+    server's refusal is raised at the op, as on the CPU, and the tensor is left intact instead
+    of poisoned by a failure found later. (fill_, masked_fill_ and a few others accept it.)"""
+    for _, pos, name in info.write_rets:
+        m = margs[pos] if 0 <= pos < len(margs) else mkwargs.get(name)
+        if isinstance(m, torch.Tensor) and torch._debug_has_internal_overlap(m) == 1:
+            return True
+    return False
 
 
 def _views_of_first_arg(out: Any, margs: tuple) -> bool:

@@ -137,6 +137,32 @@ def test_a_failed_inplace_op_poisons_the_tensor_it_writes(dev):
         w.cpu()
 
 
+@pytest.mark.parametrize(
+    "write",
+    [lambda x: x.neg_(), lambda x: x.add_(1), lambda x: x.mul_(torch.ones_like(x)),
+     lambda x: x.copy_(torch.ones(x.shape, device=x.device))],
+    ids=["neg_", "add_", "mul_", "copy_"],
+)  # fmt: skip
+def test_writing_into_an_expanded_tensor_raises_at_the_op_and_keeps_its_base(dev, write):
+    """The CPU refuses these before writing; meta kernels do not check, so rgpu deferred the
+    refusal to the next wait and then poisoned the base, which the CPU leaves intact."""
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        write(torch.arange(3.0).expand(2, 3))
+    base = torch.arange(3.0, device=dev)
+    with pytest.raises(rgpu.RemoteError, match="more than one element of the written-to tensor"):
+        write(base.expand(2, 3))
+    assert torch.equal(base.cpu(), torch.arange(3.0))
+    assert torch.equal((base + 1).cpu(), torch.arange(3.0) + 1)
+
+
+def test_the_writes_the_cpu_allows_into_an_expanded_tensor_run_as_on_the_cpu(dev):
+    for write in (lambda x: x.fill_(5), lambda x: x.zero_(), lambda x: x.masked_fill_(x > 0, 7)):
+        c, r = torch.arange(3.0), torch.arange(3.0, device=dev)
+        write(c.expand(2, 3))
+        write(r.expand(2, 3))
+        assert torch.equal(r.cpu(), c)
+
+
 def test_every_waited_request_reports_a_pending_error(dev, session):
     _remote_failure(dev)
     with pytest.raises(rgpu.RemoteError, match="gather"):
