@@ -83,7 +83,7 @@ def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
         suggested = _SUGGESTED_FORMAT.get(name)
         if suggested is not None and len(args) > suggested:
             out = _relayout_suggested(out, args[suggested])
-        elif name in _CONTIGUOUS_OUTPUTS:
+        elif name in _CONTIGUOUS_OUTPUTS and not func._schema.is_mutable:  # out= keeps its own
             out = _relayout_contiguous(out)
     return out
 
@@ -109,7 +109,7 @@ def _as_bfloat16(func, args: tuple, kwargs: dict) -> Any:
 # size-1 dims); the Python meta kernels recompute them from a permutation, which differs there.
 _EMPTY_LIKE = {
     "empty_like": 0, "zeros_like": 0, "ones_like": 0, "full_like": 0, "rand_like": 0,
-    "randn_like": 0, "randint_like": 0, "flip": 0,
+    "randn_like": 0, "randint_like": 0, "flip": 0, "log_sigmoid_backward": 0,
 }  # fmt: skip
 # Ops that lay their output out in `argument n`'s suggested memory format (channels-last when its
 # strides are, else row-major), by n; their meta kernels answer row-major.
@@ -123,9 +123,13 @@ _SUGGESTED_FORMAT = {
 
 # Backwards whose kernels allocate every output contiguous, on the CPU and CUDA alike (layer norm
 # makes its input contiguous first; the softmax backwards' structured meta asks for a contiguous
-# gradient); their Python meta kernels are pointwise formulas that follow a transposed gradient.
+# gradient; the pointwise losses' backwards zero a contiguous gradient and write into it), and
+# samplers that allocate their result by its sizes alone (normal with tensor parameters, poisson,
+# gamma); their Python meta kernels follow a transposed input or gradient.
 _CONTIGUOUS_OUTPUTS = {
     "native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data",
+    "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
+    "normal", "poisson", "_standard_gamma",
 }  # fmt: skip
 
 
@@ -298,14 +302,20 @@ def _common_dtype(values: list, outs: tuple) -> torch.dtype:
 _ASK_SERVER = re.compile(
     r"^(_linalg_svd|linalg_eig|_linalg_eig|_fft_r2c|_fft_c2r|_fft_c2c|native_batch_norm"
     r"|_native_batch_norm_legit\w*|_batch_norm_with_update\w*|_embedding_bag_forward_only"
-    r"|_embedding_bag|max_unpool2d|ldexp|mvlgamma|_grouped_mm)$"
+    r"|_embedding_bag|max_unpool2d|ldexp|mvlgamma|_grouped_mm|log_sigmoid_forward)$"
 )
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
 _CONVOLUTIONS = {"convolution", "_convolution", "convolution_backward"}
 _BATCH_NORM_BACKWARDS = {"native_batch_norm_backward", "batch_norm_backward"}
-_ASK_SOMETIMES = {"native_layer_norm", *_BATCH_NORM_BACKWARDS, *_CONVOLUTIONS}
+_BINARY_CROSS_ENTROPY = {"binary_cross_entropy", "binary_cross_entropy_backward"}
+_ASK_SOMETIMES = {
+    "native_layer_norm",
+    *_BATCH_NORM_BACKWARDS,
+    *_CONVOLUTIONS,
+    *_BINARY_CROSS_ENTROPY,
+}
 
 
 def may_ask_server(name: str) -> bool:
@@ -322,6 +332,9 @@ def must_ask_server(func, args: tuple) -> bool:
     if name in _BATCH_NORM_BACKWARDS:
         # the gradient of a channels-last input: channels-last on the CPU in reduced precision;
         # of a transposed gradient: as the input, where the meta kernels follow the gradient
+        return not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in args[:2])
+    if name in _BINARY_CROSS_ENTROPY:
+        # the CPU allocates its result contiguous, CUDA like the input
         return not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in args[:2])
     if name in _CONVOLUTIONS:
         # the meta kernels always answer contiguous; the backend the device picks (mkldnn,
