@@ -44,6 +44,10 @@ def _to_copy(func, info, args, kwargs):
         if kwargs.get("pin_memory"):
             out = out.pin_memory()
         return out
+    if device is not None and torch.device(device).type == "meta":
+        # a meta copy has the metadata and no data: PyTorch's ZeroTensor kernels (the zero
+        # tangents of torch.func.jvp) work their output shapes out this way
+        return func(_tensor.meta_of_key(args[0]._r.key), **kwargs)
     _check_device_index(device)
     if _devices.MULTI and device is not None and torch.device(device).type == _tensor.DEVICE_TYPE:
         target = _devices.index_of(device)

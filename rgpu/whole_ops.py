@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 aten = torch.ops.aten
 # aten ops with a CPU kernel and a CompositeImplicitAutograd formula (tests/test_whole_ops.py
@@ -35,6 +36,11 @@ _MATMULS = (aten.linear.default, aten.matmul.default)
 
 
 def _needs_grad(args: tuple, kwargs: dict) -> bool:
+    # forward-mode AD (`torch.autograd.forward_ad`, `torch.func.jvp`/`jacfwd`) records tangents
+    # without requires_grad; sent whole, an op lost its tangent and `jvp` of `A @ x` came out
+    # wrong with no error. Broken up, its parts carry their forward formulas, as on the CPU.
+    if _forward_ad._current_level >= 0 and torch._C._is_fwd_grad_enabled():
+        return True
     if not torch.is_grad_enabled():
         return False
     for a in (*args, *kwargs.values()):
