@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch._meta_registrations as _meta_registrations
 
+from . import in_place_meta
 from .strides import empty_like_strides, row_major, tensor_iterator_strides
 
 _local = threading.local()
@@ -67,6 +68,8 @@ def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
     try:
         if func in _BF16_ONLY and args[0].dtype != torch.bfloat16:
             out = _as_bfloat16(func, args, kwargs)
+        elif func in in_place_meta.VIA_FUNCTIONAL:
+            out = in_place_meta.via_functional(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
     finally:

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from rgpu_protocol import TensorMeta, written_returns
 
-from . import fast_meta, meta_fixes
+from . import fast_meta, in_place_meta, meta_fixes
 from . import tensor as _tensor
 from .errors import shown_briefly
 from .tensor import (
@@ -228,6 +228,8 @@ def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     margs = tuple(_to_meta(a, ("a", i), paths, memo) for i, a in enumerate(args))
     mkwargs = {k: _to_meta(v, ("k", k), paths, memo) for k, v in kwargs.items()}
     try:
+        if info.write_rets:
+            in_place_meta.check_result_type(func, margs, mkwargs)
         out = fast_meta.run(func, margs, mkwargs)
         if out is None:
             out = meta_fixes.run_meta(func, margs, mkwargs, meta_fixes.device_type(sess.device))

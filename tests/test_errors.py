@@ -18,6 +18,37 @@ def test_shape_error_raises_on_the_users_line_without_waiting(dev, counted):
     assert counted()["waits"] == 0
 
 
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda a, b: a.add_(b),
+        lambda a, b: a.mul_(2.5),
+        lambda a, b: a.sigmoid_(),
+        lambda a, b: a.div_(2),
+        lambda a, b: a.addcmul_(b, b),
+        lambda a, b: torch.mul(a, b, out=a),
+    ],
+    ids=["add_", "mul_-scalar", "sigmoid_", "div_", "addcmul_", "mul-out"],
+)
+def test_in_place_result_that_the_tensor_cannot_hold_is_refused_at_the_op(
+    dev, counted, write, request
+):
+    """TensorIterator's cast check: before, the op failed on the server and poisoned `a`."""
+    with pytest.raises(RuntimeError) as cpu:
+        write(torch.arange(3), torch.ones(3))
+    a = torch.arange(3, device=dev)
+    with pytest.raises(RuntimeError) as remote:
+        write(a, torch.ones(3, device=dev))
+    if "mul-out" in request.node.name:
+        assert "cast" in str(remote.value)  # PyTorch's out= wrapper words it its own way
+    else:
+        assert str(remote.value) == str(cpu.value)
+    assert counted()["waits"] == 0
+    assert a.tolist() == [0, 1, 2]  # not poisoned
+    # what the CPU allows still runs: a comparison written into an integer tensor
+    assert a.lt_(torch.full((3,), 1.5, device=dev)).tolist() == [1, 1, 0]
+
+
 def _remote_failure(dev):
     """An op whose failure only the server can see: a gather index out of range."""
     x = torch.arange(4.0, device=dev)
