@@ -29,6 +29,7 @@ import rgpu
 from rgpu import meta_fixes, strides
 
 torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+import opinfo_harness  # noqa: E402,F401  (draws samples without torch's stack walk)
 
 
 def _meta_like(x):
