@@ -381,3 +381,39 @@ def test_a_custom_op_that_reads_its_input_on_the_host_runs_eagerly_and_compiled(
     loss.backward()
     torch.testing.assert_close(r.grad.cpu(), x.grad)
     assert torch.equal(loss.cpu(), _grouped(x.detach(), ends))
+
+
+def test_a_graph_asked_for_by_two_sessions_at_once_is_built_once(monkeypatch):
+    # two sessions' COMPILE of the same graph used to both miss the cache and both build it
+    import threading
+    import time
+
+    from rgpu_server import graphs
+
+    builds = []
+
+    def slow_build(nodes, device):
+        builds.append(nodes)
+        time.sleep(0.3)  # wide enough that the second request arrives mid-build
+        return torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), False
+
+    monkeypatch.setattr(graphs, "build", slow_build)
+    cache = graphs.GraphCache()
+    nodes = [["placeholder", "x"], ["output", "x"]]
+    got = []
+    threads = [
+        threading.Thread(
+            target=lambda: got.append(cache.get_or_build(nodes, "eager", None, torch.device("cpu")))
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert (cache.built, cache.reused) == (1, 1)
+    assert got[0] is got[1]
+    # a different graph still builds its own
+    cache.get_or_build([["placeholder", "y"]], "eager", None, torch.device("cpu"))
+    assert (cache.built, len(builds)) == (2, 2)

@@ -107,6 +107,7 @@ class GraphCache:
     def __init__(self) -> None:
         self._graphs: dict[str, Graph] = {}
         self._lock = threading.Lock()
+        self._building: dict[str, threading.Lock] = {}  # per key, held while it is built
         self.built = 0  # graphs this process built
         self.reused = 0  # COMPILEs answered from graphs this process already had
         self.compile_seconds = 0.0
@@ -119,22 +120,29 @@ class GraphCache:
         # plant a different graph under a key another client's graph will be looked up by
         key = hashlib.sha256(_CANON([_hashable(nodes), compiler, mode, str(device)])).hexdigest()
         with self._lock:
-            hit = self._graphs.get(key)
-            if hit is not None:
-                self.reused += 1
-                return hit
-        gm, seeded = build(nodes, device)
-        fn: Any = gm
-        if compiler == "inductor":
-            # not fullgraph=True: its check shares one process-wide counter with every other
-            # compiled call, so two sessions' calls at once made it fail spuriously; a graph of
-            # aten calls has nothing to break on anyway. (Compiling happens at the first call.)
-            fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
-        graph = Graph(key, fn, len(nodes), seeded, compiler, gm)
-        with self._lock:
-            self._graphs.setdefault(key, graph)
-            self.built += 1
-            return self._graphs[key]
+            building = self._building.setdefault(key, threading.Lock())
+        # one build per key: a second session asking for the same graph while the first builds
+        # it waits for that build instead of building (and compiling) its own copy
+        with building:
+            with self._lock:
+                hit = self._graphs.get(key)
+                if hit is not None:
+                    self.reused += 1
+                    return hit
+            gm, seeded = build(nodes, device)
+            fn: Any = gm
+            if compiler == "inductor":
+                # not fullgraph=True: its check shares one process-wide counter with every other
+                # compiled call, so two sessions' calls at once made it fail spuriously; a graph
+                # of aten calls has nothing to break on anyway. (Compiling happens at the first
+                # call.)
+                fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
+            graph = Graph(key, fn, len(nodes), seeded, compiler, gm)
+            with self._lock:
+                self._graphs[key] = graph
+                self._building.pop(key, None)
+                self.built += 1
+                return graph
 
     def counters(self) -> dict:
         hits = dynamo_graphs = 0
