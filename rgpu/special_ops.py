@@ -164,7 +164,18 @@ def _decomposed(func, info, args, kwargs):
     return func.decompose(*args, **kwargs)
 
 
+_COMPOSITE = torch._C.DispatchKeySet("CompositeExplicitAutograd")
+
+
+def _host_composite(func, info, args, kwargs):
+    """Ops whose kernel reads CPU arguments and returns a CPU tensor beside device ones:
+    `pack_padded_sequence`'s `batch_sizes` must stay on the CPU (PyTorch refuses a
+    PackedSequence whose are not). Its own kernel runs here, its indexing ops on rgpu."""
+    return func.redispatch(_COMPOSITE, *args, **kwargs)
+
+
 HANDLERS = {
+    aten._pack_padded_sequence.default: _host_composite,
     aten._to_copy.default: _to_copy,
     aten.to.device: _decomposed,
     aten.to.dtype_layout: _decomposed,

@@ -10,7 +10,8 @@ when their own gradient is needed (double backward) the formula runs, as on the 
 `linear`, `matmul` and the softmaxes are composites everywhere, but without a gradient to record
 they go whole as well: one dispatch and one message instead of three to five (a weight's `t`,
 reshapes, `mm`), which cut the client's CPU per `linear` from ~108 to ~32 us here, the server
-running the composition PyTorch's own C++ runs locally.
+running the composition PyTorch's own C++ runs locally. Recurrent layers (`nn.LSTM`, `GRU`, `RNN`)
+go whole without grad mode: one message for the sequence instead of several per time step.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ aten = torch.ops.aten
 # aten ops with a CPU kernel and a CompositeImplicitAutograd formula (tests/test_whole_ops.py
 # finds them in the installed PyTorch and checks this list is complete)
 WHOLE = ("silu_backward", "mish_backward", "native_channel_shuffle")
+# recurrent layers: broken up, a sequence is a few messages per time step and rounds differently
+# from the CPU's own kernels (oneDNN's, or the fused cells); whole, the server runs its own. Only
+# with grad mode off: the CPU picks its kernel by grad mode (oneDNN's only without), and the
+# server runs these ops with it off
+RNNS = tuple(f"{rnn}.{overload}" for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+             for overload in ("input", "data"))  # fmt: skip
 # CompositeImplicitAutograd ops that compute fresh outputs: when no gradient is needed (inference,
 # generation) they go whole too and the server runs PyTorch's own composition of them, the very
 # code local torch runs; with a gradient they break up here so autograd records their parts
-WHOLE_WITHOUT_GRAD = ("linear", "matmul", "softmax.int", "log_softmax.int")
+WHOLE_WITHOUT_GRAD = ("linear", "matmul", "softmax.int", "log_softmax.int", *RNNS)
 
 
 _LINEAR = aten.linear.default
@@ -92,8 +99,14 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     # time here)
     composite = torch._C.DispatchKey.CompositeImplicitAutograd
 
+    grad_mode_picks_kernel = op.name().startswith(("aten::lstm", "aten::gru", "aten::rnn_"))
+
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _needs_grad(args, kwargs) or (op in _MATMULS and _folds_differently(op, args)):
+        if (
+            _needs_grad(args, kwargs)
+            or (op in _MATMULS and _folds_differently(op, args))
+            or (grad_mode_picks_kernel and torch.is_grad_enabled())
+        ):
             return op._op_dk(composite, *args, **kwargs)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args, **kwargs)

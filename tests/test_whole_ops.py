@@ -157,3 +157,94 @@ def test_without_grad_a_weight_that_requires_grad_folds_as_on_the_cpu(session, c
             want, got = fn(x_cpu, w_cpu), fn(x_r, w_r)
     assert got.shape == want.shape and got.stride() == want.stride()
     assert torch.equal(got.cpu(), want)
+
+
+def _rnns():
+    return {
+        "lstm_two_layers": lambda: torch.nn.LSTM(8, 16, num_layers=2),
+        "lstm_bidirectional_batch_first": lambda: torch.nn.LSTM(
+            8, 16, bidirectional=True, batch_first=True
+        ),
+        "lstm_projected": lambda: torch.nn.LSTM(8, 16, proj_size=4),
+        "gru_two_layers": lambda: torch.nn.GRU(8, 16, num_layers=2),
+        "rnn_relu_no_bias": lambda: torch.nn.RNN(8, 16, nonlinearity="relu", bias=False),
+    }
+
+
+def _flat(out) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("case", list(_rnns()))
+def test_recurrent_layers_without_grad_go_whole_and_equal_the_cpu(session, case):
+    """Broken up, an LSTM was a few messages per time step, ~100x slower than the CPU, and 7e-8
+    off (CPU inference runs oneDNN's kernel, chosen by grad mode)."""
+    torch.manual_seed(0)
+    model = _rnns()[case]()
+    sent = []
+    for steps in (5, 50):
+        x = torch.randn(steps, 3, 8)
+        with torch.no_grad():
+            want = _flat(model.cpu()(x))
+            model.to("rgpu")
+            x_r = x.to("rgpu")
+            torch.rgpu.synchronize()
+            m0 = rgpu.stats()["messages"]
+            got = _flat(model(x_r))
+            torch.rgpu.synchronize()
+        sent.append(rgpu.stats()["messages"] - m0)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.stride() == w.stride()
+            assert torch.equal(g.cpu(), w)
+    # the initial states, the layer itself and the synchronize, however long the sequence
+    assert sent[0] == sent[1] <= 5, sent
+
+
+def test_packed_sequences_run_on_rgpu_as_on_the_cpu(session):
+    """`pack_padded_sequence` of an rgpu tensor raised ("batch_sizes should always be on CPU")."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(8, 16, num_layers=2)
+    x, lengths = torch.randn(20, 4, 8), torch.tensor([20, 13, 7, 2])
+    h0, c0 = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    with torch.no_grad():
+        want, (h, c) = model(pack_padded_sequence(x, lengths), (h0, c0))
+        model.to("rgpu")
+        packed = pack_padded_sequence(x.to("rgpu"), lengths)
+        assert packed.batch_sizes.device.type == "cpu"
+        got, (hg, cg) = model(packed, (h0.to("rgpu"), c0.to("rgpu")))
+    assert torch.equal(got.batch_sizes, want.batch_sizes)
+    assert torch.equal(pad_packed_sequence(got)[0].cpu(), pad_packed_sequence(want)[0])
+    assert torch.equal(hg.cpu(), h) and torch.equal(cg.cpu(), c)
+    # with a gradient, through the packing too
+    x_r = x.to("rgpu").requires_grad_()
+    out, _ = model(pack_padded_sequence(x_r, lengths))
+    pad_packed_sequence(out)[0].square().sum().backward()
+    model.cpu()
+    x_c = x.clone().requires_grad_()
+    out, _ = model(pack_padded_sequence(x_c, lengths))
+    pad_packed_sequence(out)[0].square().sum().backward()
+    torch.testing.assert_close(x_r.grad.cpu(), x_c.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_recurrent_layers_with_grad_mode_on_break_up_and_train_as_on_the_cpu(session):
+    # the CPU's kernel depends on grad mode, so the whole op is only sent without it
+    torch.manual_seed(0)
+    model = torch.nn.GRU(8, 16)
+    x = torch.randn(6, 2, 8)
+    out = model(x)[0]
+    out.square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.to("rgpu")
+    torch.rgpu.synchronize()
+    m0 = rgpu.stats()["messages"]
+    got = model(x.to("rgpu"))[0]
+    assert rgpu.stats()["messages"] - m0 > 6  # broken up: per time step
+    got.square().sum().backward()
+    torch.testing.assert_close(got.detach().cpu(), out.detach(), rtol=1e-6, atol=1e-6)
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad.cpu(), w, rtol=1e-5, atol=1e-5)

@@ -44,7 +44,7 @@ def call(s: SessionState, resolved: Any, args: list, kwargs: dict | None) -> Any
         return resolved.op(*args, **kwargs)
     if resolved.seeded:
         with rng.session_state(s.generator, s.device):
-            return resolved.op(*args, **kwargs)
+            return resolved.call(*args, **kwargs)
     return resolved.call(*args, **kwargs)
 
 

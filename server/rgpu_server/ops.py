@@ -48,6 +48,23 @@ SUBSTITUTES: dict[str, str] = {
 CALLS: dict[str, Any] = {}
 
 
+def _without_grad(op: torch._ops.OpOverload) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return op._op(*args, **kwargs)
+
+    return call
+
+
+# Recurrent layers, whose CPU kernel depends on grad mode (oneDNN's runs only without it):
+# clients send them whole only with grad mode off, so they run here with it off
+for _name in (
+    f"{rnn}.{o}" for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu") for o in ("input", "data")
+):
+    _packet, _, _overload = _name.partition(".")
+    CALLS[_name] = _without_grad(getattr(getattr(torch.ops.aten, _packet), _overload))
+
+
 class OpRefused(Exception):
     """The client named an operator it may not run; reported like any op failure."""
 
