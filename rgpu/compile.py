@@ -197,7 +197,9 @@ class ShippedGraph:
         handles = []  # held until the CALL is queued: an input freed earlier would reach the
         for a in args:  # server (as a FREE) before the CALL that reads it
             if isinstance(a, torch.Tensor):
-                handle = getattr(a, "_rgpu_handle", None)
+                # a RemoteTensor itself where AOTAutograd passes a graph's output on as it is
+                # (saved for the backward graph)
+                handle = a._r if type(a) is RemoteTensor else getattr(a, "_rgpu_handle", None)
                 if handle is not None:
                     refs.append(handle.ext)
                     handles.append(handle)
@@ -218,7 +220,9 @@ class ShippedGraph:
                 m = meta_of_key(payload)
                 h = Handle(sess, _tensor.next_id(), payload, None, dev)
                 m._rgpu_handle = h
-                outs.append(m)
+                # a RemoteTensor, not its meta: AOTAutograd hands some outputs back as they are
+                # (see RemoteTensor.__tensor_unflatten__)
+                outs.append(wrap_inner(m))
                 ids.append(h.id)
             elif kind == "input":
                 outs.append(None)  # filled below
@@ -283,8 +287,7 @@ class EagerFallback:
         ]
         args.clear()
         outs = _OnRgpu(self.gm).run(*wrapped)
-        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        return [o._rgpu_meta if isinstance(o, RemoteTensor) else o for o in outs]
+        return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
 def _warn_once(reason: str) -> None:

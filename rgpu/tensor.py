@@ -161,7 +161,16 @@ class RemoteTensor(torch.Tensor):
     def __tensor_unflatten__(
         inner: dict, ctx: Any, outer_size: Any, outer_stride: Any
     ) -> RemoteTensor:
-        return wrap_inner(inner["_rgpu_meta"], outer_size, outer_stride)
+        m = inner["_rgpu_meta"]
+        if type(m) is RemoteTensor:
+            # a compiled graph's output: graphs give RemoteTensors, since AOTAutograd wraps only
+            # the outputs that were RemoteTensors while traced and hands the others back as they
+            # are (a tensor made on rgpu from no RemoteTensor, `torch.zeros(n, device=x.device)`:
+            # a bare meta tensor reached the caller)
+            if outer_size is None or (m.shape == outer_size and m.stride() == outer_stride):
+                return m
+            m = m._rgpu_meta
+        return wrap_inner(m, outer_size, outer_stride)
 
     # -- things torch.Tensor refuses for subclasses, or does with many remote ops ------------
 

@@ -417,3 +417,38 @@ def test_a_graph_asked_for_by_two_sessions_at_once_is_built_once(monkeypatch):
     # a different graph still builds its own
     cache.get_or_build([["placeholder", "y"]], "eager", None, torch.device("cpu"))
     assert (cache.built, len(builds)) == (2, 2)
+
+
+def test_tensors_made_on_rgpu_inside_compiled_code_come_back_as_rgpu_tensors(session):
+    """A tensor the compiled code makes on rgpu from no rgpu input (a factory with
+    `device=x.device`, a CPU tensor moved over) came back from the call as a bare meta tensor,
+    and a module attribute set to one inside the code became one."""
+
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = torch.tensor(0)
+
+        def forward(self, x, table):
+            self.count = self.count.to(x.device)
+            self.count.add_(3)
+            z = torch.arange(2, device=x.device, dtype=x.dtype) + 1
+            moved = table.to(x.device) * 2
+            return (x * z * moved).sin(), z, moved, torch.zeros(2, device=x.device), x + self.count
+
+    table = torch.tensor([5.0, 6.0])
+    x_cpu = torch.tensor([0.3, 0.7], requires_grad=True)
+    eager = Counter()
+    want = eager(x_cpu, table)
+    module = Counter()
+    compiled = torch.compile(module, backend=rgpu.compile_backend("eager"), dynamic=False)
+    x = x_cpu.detach().to("rgpu").requires_grad_()
+    got = compiled(x, table)
+    for g, w in zip(got, want):
+        assert type(g) is rgpu.RemoteTensor and g.device.type == "rgpu"
+        assert torch.equal(g.detach().cpu(), w.detach())
+    assert type(module.count) is rgpu.RemoteTensor and module.count.cpu().item() == 3
+    # and gradients flow through them as on the CPU
+    (got[0].sum() + (got[1] * got[2]).sum()).backward()
+    (want[0].sum() + (want[1] * want[2]).sum()).backward()
+    torch.testing.assert_close(x.grad.cpu(), x_cpu.grad)

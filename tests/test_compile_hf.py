@@ -169,3 +169,24 @@ def test_compiled_mixture_of_experts_falls_back_where_it_must_and_trains_as_on_t
     assert any("transformers::grouped_mm_fallback" in m for m in _fell_back(caught))
     expected, _ = _train(cpu, batch, "cpu", steps=2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_compiled_decoding_with_a_static_cache_gives_the_cpus_tokens(session, make):
+    """transformers' fast generation: a static KV cache and a compiled forward. The cache's
+    tensors are made inside the compiled prefill (`torch.zeros(..., device=key.device)`), and
+    came back as bare meta tensors: the next step failed ("cannot copy a meta tensor")."""
+    torch.manual_seed(0)
+    cpu, _ = make()
+    cpu.eval()
+    remote = copy.deepcopy(cpu).to("rgpu")
+    remote.forward = torch.compile(remote.forward, backend=rgpu.compile_backend(), dynamic=False)
+    prompt = IDS[:1, :6]
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = remote.generate(prompt.to("rgpu"), **kw)
+        got_again = remote.generate(prompt.to("rgpu"), **kw)  # the compiled decode step again
+    assert not _fell_back(caught)
+    want = cpu.generate(prompt, **kw)
+    assert torch.equal(got.cpu(), want) and torch.equal(got_again.cpu(), want)
