@@ -67,8 +67,11 @@ class LookaheadStopCheck:
         self, unfinished_sequences: torch.Tensor, tokens: torch.Tensor, length: int
     ) -> bool:
         self.steps += 1
-        # the generator's state after this step first: once the answer below has arrived, so has it
-        state = self.session.request_async((Kind.RNG_GET,), detached=True, device=self.device)
+        # the generator's state after this step first: once the answer below has arrived, so has
+        # it (the answer's request sends both)
+        state = self.session.request_async(
+            (Kind.RNG_GET,), detached=True, device=self.device, send=False
+        )
         answer = unfinished_sequences.max().view(1)
         if self.streamer is not None:
             answer = torch.cat([answer.to(tokens.dtype), tokens.reshape(-1)])

@@ -109,9 +109,12 @@ class WaitMixin:
         on_done: Callable[[Waiter], None] | None = None,
         detached: bool = False,
         device: int | None = None,
+        send: bool = True,
     ) -> Waiter:
         """Queue a waited message and send everything, without waiting: the reply fills the
-        returned Waiter (non-blocking readback, events).
+        returned Waiter (non-blocking readback, events). `send=False` leaves it queued, for a
+        request that another, sent right after, carries along (one frame and one wake-up of the
+        writer thread instead of two).
 
         `on_done` runs on the reader thread as the reply lands. A `detached` waiter is one that
         nobody may ever wait for: a lost connection does not wake it, its reply is still routed.
@@ -129,7 +132,8 @@ class WaitMixin:
             waiter.seq = self.stream.append_waited(data, waiter)
             self.bytes_out += len(data)
             self.messages += 1
-            self.flush_locked()
+            if send:
+                self.flush_locked()
         return waiter
 
     def wait_for(self, waiter: Waiter, progress: TransferProgress | None = None) -> Any:

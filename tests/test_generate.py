@@ -243,3 +243,21 @@ def test_a_returned_sliding_window_cache_keeps_the_wait_per_token(dev):
 def test_a_negative_lookahead_is_refused():
     with pytest.raises(ValueError, match="generate_lookahead must be 0 or more"):
         rgpu.settings.generate_lookahead = -1
+
+
+def test_a_tokens_two_requests_leave_in_one_frame(pair):
+    # the generator's state is asked for unsent and goes out with the stop answer's request:
+    # one frame per token (and one wake of the writer thread), not two
+    from rgpu.generation import LookaheadStopCheck
+
+    sess = rgpu.current_session()
+    check = LookaheadStopCheck(sess, None, None, None, lookahead=1000)
+    unfinished = torch.ones(2, dtype=torch.long, device="rgpu")
+    tokens = torch.ones(2, dtype=torch.long, device="rgpu")
+    torch.rgpu.synchronize()
+    before = rgpu.stats()
+    for step in range(5):
+        assert not check(unfinished, tokens, 10 + step)
+    after = rgpu.stats()
+    assert after["frames"] - before["frames"] == 5
+    assert check.finish() == 0
