@@ -7,7 +7,8 @@ ViT), trains each with AdamW on the CPU server and on local CPU torch, taking tu
 repeat, and decodes greedily with the KV cache. Then it connects through `python -m rgpu.netem`
 (its own process, 50 ms round trip) and measures tokens per second with the stop check running
 ahead (`generate_lookahead`, the default) and checking every token (0), against the ideal of one
-round trip per token: 1 / (RTT + local time per token).
+round trip per token: 1 / (RTT + local time per token). Decoding is also measured as
+transformers' fast-generation recipe has it: a static cache and a compiled forward.
 
     python benchmarks/bench_hf.py [--out FILE.json] [--repeats 5] [--rtt-ms 50]
 """
@@ -142,10 +143,12 @@ PROMPT = torch.tensor([[5, 17, 3, 42, 8, 1, 77, 12]])
 SHORT = 8  # tokens of the short generate whose time is the fixed cost of a call
 
 
-def decode(model: torch.nn.Module, device: str, tokens: int) -> tuple[float, torch.Tensor]:
+def decode(
+    model: torch.nn.Module, device: str, tokens: int, **kwargs: Any
+) -> tuple[float, torch.Tensor]:
     t0 = time.perf_counter()
     out = model.generate(PROMPT.to(device), max_new_tokens=tokens, min_new_tokens=tokens,
-                         do_sample=False, pad_token_id=0)  # fmt: skip
+                         do_sample=False, pad_token_id=0, **kwargs)  # fmt: skip
     out = out.cpu()
     return (time.perf_counter() - t0) / tokens * 1e3, out
 
@@ -178,6 +181,64 @@ def bench_decode(remote: Remote, name: str, make, tokens: int, repeats: int) -> 
         "rgpu_ms_per_token": summary(remote_ms),
         "local_ms_per_token": summary(local_ms),
         "ratio_of_medians": ratio,
+        "messages_per_token": deltas[-1]["messages"] / tokens,
+        "waits_per_token": deltas[-1]["waits"] / tokens,
+        "client_cpu_ms_per_token": summary([c[0] for c in cpu]),
+        "server_cpu_ms_per_token": summary([c[1] for c in cpu if c[1] is not None]),
+        "tokens_equal_cpu": same,
+        "target_ratio": TARGET_DECODE_RATIO,
+        "meets_target": ratio <= TARGET_DECODE_RATIO,
+    }
+
+
+def bench_decode_compiled(
+    remote: Remote, name: str, make, tokens: int, repeats: int
+) -> dict[str, Any]:
+    """transformers' fast-generation recipe: a static KV cache and a compiled forward (one CALL
+    per decoded token for the model itself), against local CPU torch running the same static
+    cache eagerly and its default (dynamic) cache."""
+    torch.manual_seed(0)
+    cpu_model, _ = make()
+    cpu_model.eval()
+    rgpu_model = copy.deepcopy(cpu_model).to("rgpu")
+    rgpu_model.forward = torch.compile(
+        rgpu_model.forward, backend=rgpu.compile_backend(), dynamic=False
+    )
+    static = {"cache_implementation": "static"}
+    t0 = time.perf_counter()
+    decode(rgpu_model, "rgpu", tokens, **static)  # compiles the prefill and the decode step
+    first_call_s = time.perf_counter() - t0
+    decode(cpu_model, "cpu", 4, **static)
+    times: dict[str, list[float]] = {"rgpu": [], "local_static": [], "local_dynamic": []}
+    deltas, cpu = [], []
+    same = True
+    for r in range(repeats):
+        order = list(times) if r % 2 == 0 else list(reversed(times))
+        for which in order:
+            if which == "rgpu":
+                before, cpu0 = remote.stats(), remote.cpu_seconds()
+                ms, got = decode(rgpu_model, "rgpu", tokens, **static)
+                cpu.append(cpu_delta(cpu0, remote.cpu_seconds(), tokens / 1e3))
+                deltas.append(stats_delta(before, remote.stats()))
+            elif which == "local_static":
+                ms, expected = decode(cpu_model, "cpu", tokens, **static)
+            else:
+                ms, _ = decode(cpu_model, "cpu", tokens)
+            times[which].append(ms)
+        same = same and torch.equal(got, expected)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["rgpu"] / med["local_dynamic"]
+    log(f"compiled decode {name}: rgpu {med['rgpu']:.2f} ms/token, local static "
+        f"{med['local_static']:.2f}, local dynamic {med['local_dynamic']:.2f}, {ratio:.2f}x, "
+        f"tokens equal: {same}")  # fmt: skip
+    return {
+        "tokens": tokens,
+        "first_call_s": first_call_s,
+        "rgpu_ms_per_token": summary(times["rgpu"]),
+        "local_static_ms_per_token": summary(times["local_static"]),
+        "local_ms_per_token": summary(times["local_dynamic"]),
+        "ratio_of_medians": ratio,
+        "ratio_to_local_static": med["rgpu"] / med["local_static"],
         "messages_per_token": deltas[-1]["messages"] / tokens,
         "waits_per_token": deltas[-1]["waits"] / tokens,
         "client_cpu_ms_per_token": summary([c[0] for c in cpu]),
@@ -262,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rtt-ms", type=float, default=50.0)
     p.add_argument("--only", nargs="*", help="models to run (default: all)")
+    p.add_argument("--no-compiled", action="store_true", help="skip compiled static-cache decode")
     args = p.parse_args(argv)
     proc, url = start_server(None)
     try:
@@ -284,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
             n: bench_decode(remote, n, m, args.tokens, args.repeats)
             for n, m in chosen.items() if n in ("gpt2", "llama")
         }  # fmt: skip
+        if not args.no_compiled:
+            doc["decode_compiled"] = {
+                n: bench_decode_compiled(remote, n, m, args.tokens, args.repeats)
+                for n, m in chosen.items() if n in ("gpt2", "llama")
+            }  # fmt: skip
         rgpu.disconnect()
         doc["decode_over_a_slow_link"] = {
             n: bench_rtt(url, n, m, args.tokens, max(2, args.repeats // 2), args.rtt_ms)

@@ -86,6 +86,30 @@ def section_hf(doc: dict[str, Any]) -> list[str]:
             f"{r['messages_per_token']:.1f} | {r['waits_per_token']:.3f} | "
             f"{_yes(r['tokens_equal_cpu'])} |"
         )
+    compiled = doc.get("decode_compiled", {})
+    if compiled:
+        lines += [
+            "",
+            "The same decoding as transformers' fast-generation recipe: "
+            '`cache_implementation="static"` and `model.forward = torch.compile(model.forward, '
+            "backend=rgpu.compile_backend(), dynamic=False)`; ratio against local CPU torch's "
+            "default decoding above (and its static cache, run eagerly):",
+            "",
+            "| model | rgpu ms/token | local ms/token (static) | ratio (to static) | target | "
+            "messages/token | client CPU ms/token | first call s | tokens equal |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, r in compiled.items():
+            lines.append(
+                f"| {name} | {_f(_med(r['rgpu_ms_per_token']))} | "
+                f"{_f(_med(r['local_ms_per_token']))} "
+                f"({_f(_med(r['local_static_ms_per_token']))}) | "
+                f"{_f(r['ratio_of_medians'])}× ({_f(r['ratio_to_local_static'])}×) | "
+                f"≤ {r['target_ratio']:g}× ({_yes(r['meets_target'])}) | "
+                f"{r['messages_per_token']:.1f} | "
+                f"{_f(_med(r['client_cpu_ms_per_token']))} | {r['first_call_s']:.1f} | "
+                f"{_yes(r['tokens_equal_cpu'])} |"
+            )
     slow = doc.get("decode_over_a_slow_link", {})
     if slow:
         rtt = next(iter(slow.values()))["rtt_ms"]
