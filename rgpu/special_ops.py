@@ -170,7 +170,7 @@ _COMPOSITE = torch._C.DispatchKeySet("CompositeExplicitAutograd")
 def _host_composite(func, info, args, kwargs):
     """Ops whose kernel reads CPU arguments and returns a CPU tensor beside device ones:
     `pack_padded_sequence`'s `batch_sizes` must stay on the CPU (PyTorch refuses a
-    PackedSequence whose are not). Its own kernel runs here, its indexing ops on rgpu."""
+    PackedSequence whose `batch_sizes` is not). Its own kernel runs here, its indexing ops on rgpu."""
     return func.redispatch(_COMPOSITE, *args, **kwargs)
 
 

@@ -129,14 +129,19 @@ class GraphCache:
                 if hit is not None:
                     self.reused += 1
                     return hit
-            gm, seeded = build(nodes, device)
-            fn: Any = gm
-            if compiler == "inductor":
-                # not fullgraph=True: its check shares one process-wide counter with every other
-                # compiled call, so two sessions' calls at once made it fail spuriously; a graph
-                # of aten calls has nothing to break on anyway. (Compiling happens at the first
-                # call.)
-                fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
+            try:
+                gm, seeded = build(nodes, device)
+                fn: Any = gm
+                if compiler == "inductor":
+                    # not fullgraph=True: its check shares one process-wide counter with every
+                    # other compiled call, so two sessions' calls at once made it fail
+                    # spuriously; a graph of aten calls has nothing to break on anyway.
+                    # (Compiling happens at the first call.)
+                    fn = torch.compile(gm, backend="inductor", mode=mode, dynamic=False)
+            except BaseException:  # refused: its key's lock is not kept for good
+                with self._lock:
+                    self._building.pop(key, None)
+                raise
             graph = Graph(key, fn, len(nodes), seeded, compiler, gm)
             with self._lock:
                 self._graphs[key] = graph
