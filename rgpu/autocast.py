@@ -22,6 +22,10 @@ LOWER = (
     "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
     "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell",
     "rnn_relu_cell", "scaled_dot_product_attention",
+    # whole recurrent layers (sent whole without grad mode): CUDA casts cuDNN's RNN, weights and
+    # states included (aten/src/ATen/cudnn/AutocastRNN.cpp); uncast, an LSTM came back float32
+    # without grad mode and bfloat16 with it
+    "lstm", "gru", "rnn_tanh", "rnn_relu",
 )  # fmt: skip
 FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",

@@ -248,3 +248,28 @@ def test_recurrent_layers_with_grad_mode_on_break_up_and_train_as_on_the_cpu(ses
     torch.testing.assert_close(got.detach().cpu(), out.detach(), rtol=1e-6, atol=1e-6)
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad.cpu(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_recurrent_layers_under_autocast_run_in_its_dtype_with_grad_mode_on_or_off(session):
+    """CUDA's autocast casts a whole cuDNN RNN, weights and states included. Sent whole, an LSTM
+    under `torch.autocast("rgpu")` came back float32 without grad mode (bfloat16 with it)."""
+    torch.manual_seed(0)
+    model = torch.nn.LSTM(8, 16, num_layers=2)
+    x = torch.randn(5, 3, 8)
+    low = torch.nn.LSTM(8, 16, num_layers=2)
+    low.load_state_dict(model.state_dict())
+    low.bfloat16()
+    model.to("rgpu")
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            want = _flat(low(x.bfloat16()))
+            with torch.autocast("rgpu", dtype=torch.bfloat16):
+                got = _flat(model(x.to("rgpu")))
+        assert [g.dtype for g in got] == [torch.bfloat16] * 3
+        for g, w in zip(got, want):
+            if grad:  # broken up on rgpu into PyTorch's fused cells (as on CUDA): bf16 rounding
+                torch.testing.assert_close(g.detach().cpu(), w.detach(), rtol=2e-2, atol=1e-2)
+            else:
+                assert torch.equal(g.cpu(), w)
+    for p in model.parameters():
+        assert p.dtype == torch.float32
