@@ -25,6 +25,7 @@ import torch
 from _common import Remote, emit, header, log, pin_client, pin_plan, pinned_preexec, run_all
 
 import rgpu
+from rgpu.local_server import default_threads
 
 
 def start_server(
@@ -37,12 +38,16 @@ def start_server(
 
     Server and client share a fresh token through RGPU_TOKEN. `extra` adds server flags, `env`
     environment variables, and `log_file` receives the server's log (stderr; dropped without it).
+    Unpinned, its kernels get the embedded server's threads (a core left to the client), unless
+    `extra` says --threads; pinned, the cores it may run on.
     """
     os.environ.setdefault("RGPU_TOKEN", secrets.token_urlsafe(24))
     # no Inductor preload: the benchmark starts at once and the import would compete with it
     # (bench_compile.py turns it back on to measure a server's first compiled step)
     cmd = [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--port", "0", "--announce",
            "--no-preload-inductor"]  # fmt: skip
+    if cpus is None and not any(a.startswith("--threads") for a in extra):
+        cmd += ["--threads", str(default_threads())]
     proc = subprocess.Popen(
         [*cmd, *extra],
         stdout=subprocess.PIPE,

@@ -100,6 +100,9 @@ FIELDS: dict[str, Setting] = {
                        "named session, which outlives the process (rgpu.keep / rgpu.kept)"),
     "local_device": Setting("RGPU_LOCAL_DEVICE", _text, "--device of an embedded server: auto, "
                             "cpu, cuda, cuda:N, mps"),
+    "local_threads": Setting("RGPU_LOCAL_THREADS", _positive, "--threads of an embedded server: "
+                             "threads each CPU kernel may use; unset: one per core but one, "
+                             "left to this process"),
     "ca_bundle": Setting("RGPU_CA_BUNDLE", _text, "a CA certificate file trusted for wss:// "
                          "servers (a private CA)"),
     "proxy": Setting("RGPU_PROXY", _text, "an HTTP or SOCKS proxy for the websocket (the bulk lane "
@@ -149,6 +152,7 @@ class Config:
     token: str | None = None
     session: str | None = None
     local_device: str | None = None  # None: auto
+    local_threads: int | None = None  # None: one per core but one
     ca_bundle: str | None = None
     proxy: str | None = None
     ssh_command: str | None = None

@@ -161,7 +161,7 @@ def _open(
     if token is None and "token=" not in target and scheme != "slurm":  # ?token= beats env
         token = config.token
     if target == "local":
-        server = EmbeddedServer(device=config.local_device or "auto")
+        server = EmbeddedServer(device=config.local_device or "auto", threads=config.local_threads)
         try:
             opened = Session(
                 server.url,

@@ -100,7 +100,7 @@ def manual_seed_all(seed: int) -> None:
 
 
 def get_device_name(device: object = None) -> str:
-    """The device's name, e.g. "NVIDIA H200" or "CPU (x86_64, 16 cores)"."""
+    """The device's name, e.g. "NVIDIA H200" or "CPU (x86_64, 16 cores, 15 threads a kernel)"."""
     sess, local = _on(device)
     return sess.devices[local][1]
 

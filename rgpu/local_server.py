@@ -21,12 +21,30 @@ log = logging.getLogger("rgpu")
 START_TIMEOUT = 120.0
 
 
+def default_threads() -> int:
+    """Threads for the embedded server's CPU kernels: every core this process may use but one.
+
+    Why: this process dispatches the ops on a core of its own while the server runs them. With a
+    thread on every core, each parallel kernel waits for a thread the scheduler had given to
+    this process: small Hugging Face training steps took 1.2-1.7x as long on 2 cores (`--threads`,
+    BENCHMARKS.md), against up to 1.75x for large matmuls with one thread less there.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 class EmbeddedServer:
     """A running `python -m rgpu_server` child and its URL."""
 
-    def __init__(self, device: str = "auto", data_dir: str | None = None) -> None:
+    def __init__(
+        self, device: str = "auto", data_dir: str | None = None, threads: int | None = None
+    ) -> None:
         """`data_dir`: the server's --data-dir, named `local` (default: this process's working
-        directory, so rgpu.files reads and writes files next to the notebook or script)."""
+        directory, so rgpu.files reads and writes files next to the notebook or script).
+        `threads`: its --threads (default: one per core but one, see `default_threads`)."""
         fd, self.log_path = tempfile.mkstemp(prefix="rgpu-server-", suffix=".log")
         self._log = os.fdopen(fd, "wb")
         # a fresh token, handed over on stdin: it never shows in a process list or the environment
@@ -35,6 +53,7 @@ class EmbeddedServer:
             sys.executable, "-m", "rgpu_server", "--host", "127.0.0.1", "--port", "0",
             "--device", device, "--announce", "--token-stdin", "--exit-with-stdin",
             "--data-dir", f"local={data_dir or os.getcwd()}",
+            "--threads", str(threads or default_threads()),
             # it gets work at once: importing Inductor in the background would slow that work
             "--no-preload-inductor",
         ]  # fmt: skip

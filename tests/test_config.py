@@ -58,10 +58,12 @@ def test_the_environment_is_read_at_connect_and_kept_by_the_session(dev, server,
     session = rgpu.connect(server.url)
     monkeypatch.setenv("RGPU_FLUSH_OPS", "5000")  # read at the next connect, not now
     assert session.config.flush_ops == 3 and session.stream.flush_ops == 3
-    x = torch.ones(4, device=dev)
+    x = torch.ones(4, device=dev) + 1
+    # the first op may wait for rgpu's background imports: long enough for a quiet-time flush
+    torch.rgpu.synchronize()
     frames = session.stats()["frames"]
     for _ in range(6):
         x = x + 1
     assert session.stats()["frames"] - frames == 2  # six ops, three to a batch
-    assert x.sum().item() == 28.0
+    assert x.sum().item() == 32.0
     assert rgpu.connect(server.url).config.flush_ops == 5000

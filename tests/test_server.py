@@ -70,6 +70,30 @@ def test_openmp_threads_sleep_between_ops_unless_told_otherwise(entry):
     assert int(spincount(OMP_WAIT_POLICY="ACTIVE")) > 0  # the user's choice stands
 
 
+def test_threads_sets_the_kernels_threads_and_refuses_nonsense(start_server):
+    """--threads: a CPU server beside its client leaves it a core (a step of a small Hugging Face
+    model took up to 1.7x as long with a kernel thread on every core of this 2-core machine)."""
+    srv = start_server("--threads", "1")
+    out = run_client(
+        f"""
+        import torch, rgpu
+        print(rgpu.connect({srv.url!r}).device_name)
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith(", 1 thread a kernel)")
+    for bad in ("0", "-2", "many"):
+        out = subprocess.run(
+            [sys.executable, "-m", "rgpu_server", "--device", "cpu", "--threads", bad],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2
+        assert (
+            f"argument --threads: {bad!r} is not a number of threads: give 1 or more" in out.stderr
+        )
+
+
 @pytest.mark.parametrize(
     "device, message",
     [
@@ -252,8 +276,11 @@ def test_rgpu_server_env_is_used_when_no_url_is_given(server):
     assert "embedded" not in out.stderr
 
 
-def test_embedded_server_starts_on_first_use_and_stops_with_the_client():
-    env = {k: v for k, v in os.environ.items() if k != "RGPU_SERVER"}
+@pytest.mark.parametrize("threads", [None, "3"], ids=["default", "RGPU_LOCAL_THREADS"])
+def test_embedded_server_starts_on_first_use_and_stops_with_the_client(threads):
+    env = {k: v for k, v in os.environ.items() if k not in ("RGPU_SERVER", "RGPU_LOCAL_THREADS")}
+    if threads is not None:
+        env["RGPU_LOCAL_THREADS"] = threads
     code = """
         import os, torch, rgpu
         import rgpu.current
@@ -272,6 +299,9 @@ def test_embedded_server_starts_on_first_use_and_stops_with_the_client():
     value, pid = out.stdout.split()
     assert value == "8.0"
     assert "started an embedded rgpu server at ws://127.0.0.1:" in out.stderr
+    # its kernels leave this process a core, unless RGPU_LOCAL_THREADS says otherwise
+    n = int(threads) if threads else max(1, len(os.sched_getaffinity(0)) - 1)
+    assert f"{n} thread{'s' * (n != 1)} a kernel)" in out.stderr
     assert _gone(int(pid))
 
 

@@ -18,7 +18,8 @@ def device_name(device: torch.device) -> str:
     if device.type == "mps":
         return "Apple MPS"
     cpu = platform.processor() or platform.machine() or "cpu"
-    return f"CPU ({cpu}, {os.cpu_count()} cores)"
+    threads = torch.get_num_threads()  # --threads: a client can tell a server that holds back
+    return f"CPU ({cpu}, {os.cpu_count()} cores, {threads} thread{'s' * (threads != 1)} a kernel)"
 
 
 def pick_device(spec: str | None) -> torch.device:
