@@ -176,8 +176,23 @@ def bench_decode(remote: Remote, name: str, make, tokens: int, repeats: int) -> 
     ratio = statistics.median(remote_ms) / statistics.median(local_ms)
     log(f"decode {name}: rgpu {statistics.median(remote_ms):.2f} ms/token, local "
         f"{statistics.median(local_ms):.2f}, {ratio:.2f}x, tokens equal: {same}")  # fmt: skip
+    return _decode_result(tokens, remote_ms, local_ms, ratio, deltas, cpu, same)
+
+
+def _decode_result(
+    tokens: int,
+    remote_ms: list[float],
+    local_ms: list[float],
+    ratio: float,
+    deltas: list[dict[str, Any]],
+    cpu: list[tuple[float, float | None]],
+    same: bool,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One decoding benchmark's JSON: times, ratio to local CPU torch, counts per token."""
     return {
         "tokens": tokens,
+        **extra,
         "rgpu_ms_per_token": summary(remote_ms),
         "local_ms_per_token": summary(local_ms),
         "ratio_of_medians": ratio,
@@ -231,22 +246,12 @@ def bench_decode_compiled(
     log(f"compiled decode {name}: rgpu {med['rgpu']:.2f} ms/token, local static "
         f"{med['local_static']:.2f}, local dynamic {med['local_dynamic']:.2f}, {ratio:.2f}x, "
         f"tokens equal: {same}")  # fmt: skip
-    return {
-        "tokens": tokens,
-        "first_call_s": first_call_s,
-        "rgpu_ms_per_token": summary(times["rgpu"]),
-        "local_static_ms_per_token": summary(times["local_static"]),
-        "local_ms_per_token": summary(times["local_dynamic"]),
-        "ratio_of_medians": ratio,
-        "ratio_to_local_static": med["rgpu"] / med["local_static"],
-        "messages_per_token": deltas[-1]["messages"] / tokens,
-        "waits_per_token": deltas[-1]["waits"] / tokens,
-        "client_cpu_ms_per_token": summary([c[0] for c in cpu]),
-        "server_cpu_ms_per_token": summary([c[1] for c in cpu if c[1] is not None]),
-        "tokens_equal_cpu": same,
-        "target_ratio": TARGET_DECODE_RATIO,
-        "meets_target": ratio <= TARGET_DECODE_RATIO,
-    }
+    return _decode_result(
+        tokens, times["rgpu"], times["local_dynamic"], ratio, deltas, cpu, same,
+        first_call_s=first_call_s,
+        local_static_ms_per_token=summary(times["local_static"]),
+        ratio_to_local_static=med["rgpu"] / med["local_static"],
+    )  # fmt: skip
 
 
 def bench_rtt(
