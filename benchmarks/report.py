@@ -337,7 +337,9 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
         f"- **Machine:** {m['cpu_count']} CPUs, {m['machine']}, {m['platform']}, Python "
         f"{m['python']}, torch {m['torch']} ({m['torch_threads']} threads); the server is the CPU "
         "server (`rgpu-server --device cpu`) on the same machine, over loopback, competing with "
-        "the client for the cores. No GPU.",
+        "the client for the cores. Since `0b38802` its kernels get every core but one (`--threads`"
+        f" {max(1, m['cpu_count'] - 1)}, as the embedded server), leaving the client a core; "
+        "results from an older commit (below) gave them every core. No GPU.",
         f"- **Date:** {dates[0]} to {dates[-1]} (UTC).",
         "- **Code:** "
         + ", ".join(

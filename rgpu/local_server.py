@@ -25,9 +25,11 @@ def default_threads() -> int:
     """Threads for the embedded server's CPU kernels: every core this process may use but one.
 
     Why: this process dispatches the ops on a core of its own while the server runs them. With a
-    thread on every core, each parallel kernel waits for a thread the scheduler had given to
-    this process: small Hugging Face training steps took 1.2-1.7x as long on 2 cores (`--threads`,
-    BENCHMARKS.md), against up to 1.75x for large matmuls with one thread less there.
+    kernel thread on every core, each parallel kernel waits to wake a thread on the core this
+    process holds. On 2 cores, one kernel thread took training steps against local CPU torch from
+    3.54x to 2.12x (GPT-2), 3.13x to 2.01x (Llama), 2.40x to 2.03x (TinyLM), at the cost of
+    large matmuls, 1.75x slower there. A reduction split over fewer threads may round
+    differently from local torch in the last bit, as any other device does.
     """
     try:
         cores = len(os.sched_getaffinity(0))
