@@ -106,7 +106,7 @@ def register() -> None:
 
 def _on_first_trace() -> None:
     """torch.compile traces a RemoteTensor for the first time (Dynamo is loaded by now)."""
-    compile.guard_default_backend()
+    compile.ship_default_backend_graphs()
     _constants_stay_fake()
 
 

@@ -335,39 +335,47 @@ def compile_backend(compiler: str = "inductor", mode: str | None = None) -> Any:
     )
 
 
-def _refuse_local_inductor() -> None:
-    """`torch.compile(model)` on rgpu tensors would run Inductor here, for a device it cannot
-    generate code for; say what to do instead of failing deep inside Inductor."""
+def _mode_of(config_patches: dict | None) -> str | None:
+    """The `torch.compile(mode=...)` behind the Inductor options torch passes its default backend
+    (`torch._inductor.list_mode_options`); other options stay on this machine."""
+    patches = config_patches or {}
+    autotune, graphs = patches.get("max_autotune"), patches.get("triton.cudagraphs")
+    if autotune:
+        return "max-autotune" if graphs else "max-autotune-no-cudagraphs"
+    return "reduce-overhead" if graphs else None
+
+
+def _ship_default_backend() -> None:
+    """`torch.compile(model)` on rgpu tensors compiles for the rgpu device, as it compiles for a
+    CUDA tensor's GPU: the default backend's graphs with rgpu inputs are shipped and compiled by
+    Inductor on the server (`compile_backend()`, with the `mode` given). Run here, Inductor would
+    generate code for this machine, which cannot run rgpu tensors."""
     import torch._inductor.compile_fx as inductor
 
     compile_fx = inductor.compile_fx  # what torch.compile's default backend calls
 
-    def guarded(gm: torch.fx.GraphModule, example_inputs: list, *args: Any, **kwargs: Any) -> Any:
+    def shipping(gm: torch.fx.GraphModule, example_inputs: list, *args: Any, **kwargs: Any) -> Any:
         for x in example_inputs:
             if isinstance(x, RemoteTensor) or getattr(x, "device", None) == _tensor.DEVICE:
-                raise RuntimeError(
-                    "torch.compile's default backend compiles for this machine and cannot run rgpu "
-                    "tensors. Ship the graph to the rgpu server instead: "
-                    "torch.compile(model, backend=rgpu.compile_backend(), dynamic=False) "
-                    '(or backend="rgpu")'
-                )
+                mode = _mode_of(kwargs.get("config_patches"))
+                return compile_backend(mode=mode)(gm, example_inputs)
         return compile_fx(gm, example_inputs, *args, **kwargs)
 
-    inductor.compile_fx = guarded
+    inductor.compile_fx = shipping
 
 
-_guarded = False
+_shipping = False
 
 
-def guard_default_backend() -> None:
+def ship_default_backend_graphs() -> None:
     """Called when torch.compile first traces a RemoteTensor (Dynamo is loaded by then); importing
     rgpu itself never imports Dynamo. backend="rgpu" comes from the package's entry point."""
-    global _guarded
-    if not _guarded:
-        _guarded = True
+    global _shipping
+    if not _shipping:
+        _shipping = True
         try:
-            _refuse_local_inductor()
-        except Exception:  # a torch without this registry layout: the guard is only a nicety
+            _ship_default_backend()
+        except Exception:  # a torch without this layout: backend="rgpu" still works
             pass
 
 

@@ -217,11 +217,34 @@ def test_unshippable_graphs_fall_back_to_eager_ops_with_one_warning(session):
     torch.testing.assert_close(out.cpu(), torch.full((3,), 49.0))
 
 
-def test_a_bare_torch_compile_points_to_compile_backend(session):
-    model = seed_mlp().to("rgpu")
-    cm = torch.compile(model)
-    with pytest.raises(Exception, match=r"backend=rgpu\.compile_backend\(\)"):
-        cm(torch.randn(4, 16).to("rgpu"))
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_a_bare_torch_compile_ships_its_graphs_to_the_server(session, mode):
+    """`torch.compile(model)` compiles for the rgpu device as it would for a CUDA tensor's GPU: it
+    raised an error pointing to compile_backend, and transformers' own auto-compile of a static
+    cache (default backend, mode="reduce-overhead") failed with it."""
+    torch.manual_seed(0)
+    base = seed_mlp()
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    cpu = train(copy.deepcopy(base), mse, x, y, 4)
+    model = copy.deepcopy(base).to("rgpu")
+    before = len(rc.SHIPPED)
+    step = torch.compile(mse, mode=mode)
+    compiled = train(model, step, x.to("rgpu"), y.to("rgpu"), 4)
+    shipped = rc.SHIPPED[before:]
+    assert len(shipped) == 2  # one forward graph, one backward graph
+    assert {(g.compiler, g.mode) for g in shipped} == {("inductor", mode)}
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(cpu), rtol=1e-5, atol=1e-6)
+    # CPU tensors still compile here, with Inductor, as before
+    torch.testing.assert_close(torch.compile(mse)(base, x, y), mse(base, x, y))
+
+
+def test_inductor_options_name_the_mode_the_server_compiles_with():
+    import torch._inductor
+
+    for mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        want = None if mode == "default" else mode
+        assert rc._mode_of(torch._inductor.list_mode_options(mode)) == want
+    assert rc._mode_of(None) is None
 
 
 def test_a_graph_the_server_cannot_compile_is_a_remote_error_and_the_session_goes_on(session):

@@ -171,16 +171,21 @@ def test_compiled_mixture_of_experts_falls_back_where_it_must_and_trains_as_on_t
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
-def test_compiled_decoding_with_a_static_cache_gives_the_cpus_tokens(session, make):
+@pytest.mark.parametrize(
+    "make, options",
+    [(_gpt2, dict(backend="rgpu")), (_llama, dict(mode="reduce-overhead"))],
+    ids=["gpt2", "llama-default-backend"],
+)
+def test_compiled_decoding_with_a_static_cache_gives_the_cpus_tokens(session, make, options):
     """transformers' fast generation: a static KV cache and a compiled forward. The cache's
     tensors are made inside the compiled prefill (`torch.zeros(..., device=key.device)`), and
-    came back as bare meta tensors: the next step failed ("cannot copy a meta tensor")."""
+    came back as bare meta tensors: the next step failed ("cannot copy a meta tensor"). Llama
+    compiles as transformers' CompileConfig does, with the default backend."""
     torch.manual_seed(0)
     cpu, _ = make()
     cpu.eval()
     remote = copy.deepcopy(cpu).to("rgpu")
-    remote.forward = torch.compile(remote.forward, backend=rgpu.compile_backend(), dynamic=False)
+    remote.forward = torch.compile(remote.forward, dynamic=False, **options)
     prompt = IDS[:1, :6]
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
     with warnings.catch_warnings(record=True) as caught:
