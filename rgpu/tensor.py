@@ -20,6 +20,7 @@ from torch.utils._mode_utils import no_dispatch
 from rgpu_protocol import EXT_REF, ref_ext, storage_span, view_ext
 
 _new_ext = tuple.__new__
+_DATA = torch._C.TensorBase.data  # the C getter and setter behind `Tensor.data`
 _ExtType = msgpack.ExtType
 _pack_id = struct.Struct("<Q").pack
 
@@ -171,6 +172,34 @@ class RemoteTensor(torch.Tensor):
                 return m
             m = m._rgpu_meta
         return wrap_inner(m, outer_size, outer_stride)
+
+    # -- `.data`: PyTorch's setter copies metadata only, the server tensor must follow -------
+
+    @property
+    def data(self) -> torch.Tensor:
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`p.data = t` (transformers' `resize_token_embeddings`, `vector_to_parameters`): `p`
+        becomes `t`'s tensor. PyTorch's setter copies the sizes, strides and dtype onto `p` but
+        knows nothing of `_r`, so `p` kept naming its old server tensor: new shape, old values."""
+        if type(new) is not RemoteTensor:
+            where = new.device if isinstance(new, torch.Tensor) else type(new).__name__
+            raise RuntimeError(
+                f"cannot assign a tensor on {where} to the .data of a tensor on rgpu: a "
+                "tensor's .data cannot move it to another device type here. Move the new data "
+                "first (`p.data = t.to(p.device)`), or copy into it (`p.data.copy_(t)`)."
+            )
+        handle = new._r
+        if handle is TRACED or self._r is TRACED:
+            raise RuntimeError(
+                "cannot assign .data of an rgpu tensor while torch.compile traces it; move "
+                "the assignment out of the compiled function"
+            )
+        _DATA.__set__(self, new)  # sizes, strides, offset, dtype, device: PyTorch's own checks
+        self._r = handle  # the same server tensor (or lazy view) as `new`, as on CUDA
+        self.__dict__.pop("_m", None)  # the inner meta of torch.compile follows the new layout
 
     # -- things torch.Tensor refuses for subclasses, or does with many remote ops ------------
 

@@ -163,3 +163,48 @@ def test_expand_broadcast_and_chunks(dev):
     )
     for a, b in zip(torch.arange(10.0, device=dev).chunk(3), torch.arange(10.0).chunk(3)):
         check(a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: torch.arange(10.0, device=d).view(5, 2) * 10,  # another shape
+        lambda d: torch.ones(3, 2, device=d),  # the same shape, other values
+        lambda d: torch.arange(12.0, device=d).view(3, 4).t()[1:],  # a view: shares its base
+        lambda d: torch.arange(4, device=d).to(torch.float16),  # another dtype
+    ],
+    ids=["shape", "values", "view", "dtype"],
+)
+def test_assigning_data_makes_the_tensor_the_new_one_as_on_cpu(dev, make):
+    # `p.data = t` copies sizes and strides at the C++ level; the server tensor stayed the old
+    # one: a (5, 2) tensor that read back (3, 2), with no error
+    base = {}
+    for d in ("cpu", dev):
+        p = torch.nn.Parameter(torch.zeros(3, 2, device=d))
+        new = make(d)
+        p.data = new
+        new.add_(1)  # p and new are one tensor now
+        base[d] = p
+    c, r = base["cpu"], base[dev]
+    check(r.detach(), c.detach())
+    assert torch.equal((r * 2).cpu(), c * 2)
+    (r.float() * r.float()).sum().backward()
+    (c.float() * c.float()).sum().backward()
+    assert torch.equal(r.grad.cpu(), c.grad)
+
+
+def test_vector_to_parameters_writes_the_parameters(dev):
+    lin_c = torch.nn.Linear(3, 2)
+    lin_r = torch.nn.Linear(3, 2).to(dev)
+    torch.nn.utils.vector_to_parameters(torch.arange(8.0), lin_c.parameters())
+    torch.nn.utils.vector_to_parameters(torch.arange(8.0, device=dev), lin_r.parameters())
+    x = torch.randn(4, 3)
+    assert torch.equal(lin_r(x.to(dev)).cpu(), lin_c(x))
+    assert torch.equal(lin_r.weight.detach().cpu(), lin_c.weight.detach())
+
+
+def test_assigning_cpu_data_to_an_rgpu_tensor_is_refused_and_changes_nothing(dev):
+    p = torch.arange(3.0, device=dev)
+    with pytest.raises(RuntimeError, match=r"\.data of a tensor on rgpu.*t\.to\(p\.device\)"):
+        p.data = torch.zeros(5)
+    assert p.shape == (3,) and p.cpu().tolist() == [0.0, 1.0, 2.0]

@@ -106,3 +106,26 @@ def test_a_mixture_of_experts_generates_the_cpus_tokens(session):
     torch.manual_seed(3)
     got = remote.generate(prompt.to("rgpu"), do_sample=True, top_k=20, **kw).cpu()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_resized_token_embeddings_train_as_on_the_cpu(session, make):
+    # resize_token_embeddings assigns `.data`: on rgpu the weights kept the old vocabulary
+    # (logits of 300 columns where the CPU gave 320) until the loss failed on a shape
+    torch.manual_seed(0)
+    cpu, batch = make()
+    remote = copy.deepcopy(cpu).to("rgpu")
+    for model in (cpu, remote):
+        torch.manual_seed(1)
+        model.resize_token_embeddings(320, mean_resizing=False)
+    ids = IDS.clone()
+    ids[:, -3:] = torch.tensor([301, 310, 319])  # tokens only the new rows know
+    batch = {"input_ids": ids, "labels": ids}
+    loss_c = cpu(**batch).loss
+    loss_r = remote(**{k: v.to("rgpu") for k, v in batch.items()}).loss
+    assert loss_r.item() == loss_c.item()
+    loss_c.backward()
+    loss_r.backward()
+    for (name, p), q in zip(cpu.named_parameters(), remote.parameters()):
+        assert torch.equal(q.grad.cpu(), p.grad), name
+    assert remote.get_output_embeddings().weight.shape == (320, 32)
