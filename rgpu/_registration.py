@@ -95,8 +95,8 @@ def register() -> None:
     host_memory.install()
     distributed.install()
     accelerator.install()
-    attention.install(lib)
-    whole_ops.install(lib)
+    attention.install(lib, plans.COMPOSITE)
+    whole_ops.install(lib, plans.COMPOSITE)
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt
 

@@ -118,5 +118,13 @@ def _sdpa(
     )
 
 
-def install(lib: torch.library.Library) -> None:
+def _below_autograd(func, args: tuple, kwargs: dict):
+    """`_sdpa` for a call that reached the device with autograd skipped (inference mode): the
+    composite as a whole has no layout of the CPU's fused kernel (its output came back with
+    contiguous strides where the server's had the CPU's)."""
+    return _sdpa(*args, **kwargs)
+
+
+def install(lib: torch.library.Library, composite: dict) -> None:
     lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    composite[_SDPA] = _below_autograd

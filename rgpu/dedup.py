@@ -64,6 +64,8 @@ class UploadIndex:
     def remember(self, dst: torch.Tensor, src: torch.Tensor, sha: bytes) -> None:
         if dst.dtype != src.dtype or dst.shape != src.shape:
             return  # a cast or a broadcast: dst does not hold src's bytes
+        if dst.is_inference():
+            return  # made under inference mode: no version counter tells if it is written later
         key = (src.dtype, tuple(src.shape), sha)
         layout = key[:2]
         old = self._by_content.get(key)

@@ -100,6 +100,15 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         if _any_traced(args, kwargs):
             return _trace_non_aten(func, args, kwargs)
         return _run_non_aten(func, args, kwargs)
+    if info.composite is not None:
+        out = info.composite(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    if info.view_op and torch.is_inference_mode_enabled() and _normal_tensor(args):
+        # a view of a normal tensor is a normal tensor, as on the CPU: made under inference
+        # mode, autograd's view bookkeeping refused it ("Cannot set version_counter")
+        with torch.inference_mode(False):
+            return dispatch(func, args, kwargs)
     sess = _cur._current or _cur.current()
     dev = 0
     where = None  # with several devices: the op's device on its server (rgpu.devices)
@@ -144,6 +153,10 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     else:
         sess.post((_RUN, info.wire, args, kwargs or None, ids, plan.expect), device=where)
     return out
+
+
+def _normal_tensor(args: tuple) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and not args[0].is_inference()
 
 
 def _run_non_aten(func, args: tuple, kwargs: dict) -> Any:

@@ -51,6 +51,8 @@ class OpInfo:
         "nontensor",
         "conform",
         "special",
+        "composite",
+        "view_op",
         "nret",
         "write_rets",
     )
@@ -69,6 +71,17 @@ class OpInfo:
         self.nontensor = bool(rets) and not any(_is_tensorish(r.type) for r in rets)
         self.conform = meta_fixes.may_ask_server(name)  # outputs only the server can lay out
         self.special = SPECIAL.get(func)
+        self.view_op = func.is_view  # its outputs alias argument 0
+        # a CompositeImplicitAutograd op that reached the device itself: autograd's kernel, which
+        # breaks it up (or sends it whole: rgpu.whole_ops), was skipped (inference mode, the body
+        # of a custom op); it is handled as autograd's kernel would have (COMPOSITE, else `_break_up`)
+        self.composite = None
+        if self.special is None and ns == "aten":
+            self.composite = COMPOSITE.get(func)
+            if self.composite is None and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"
+            ):
+                self.composite = _break_up
         # returns that alias a written argument: (return index, argument position, argument name)
         self.write_rets = written_returns(schema)
 
@@ -78,11 +91,24 @@ def _is_tensorish(t: Any) -> bool:
     return "Tensor" in s
 
 
+_IMPLICIT = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+def _break_up(func, args: tuple, kwargs: dict) -> Any:
+    """PyTorch's C++ formula for a composite op, as autograd's kernel runs it (the meta kernel of
+    the composite as a whole may lay its output out differently from the device: conv2d of a
+    channels-last input under inference mode came back contiguous here, channels-last there)."""
+    return func._op_dk(_IMPLICIT, *args, **kwargs)
+
+
 INFO: dict[int, OpInfo] = {}
 KEEP: list = []
 PLANS_BY_DEVICE: dict[str, dict] = {}  # plan key -> plan, per kind of server device
 CURRENT_PLANS: list = [None, {}]  # [session, its device type's plans]: the hot path's cache
 SPECIAL: dict[Any, Any] = {}  # op -> handler, filled by rgpu._registration
+# composite op -> (func, args, kwargs) -> result, or NotImplemented to send it whole; filled by
+# rgpu._registration for the composites autograd's kernel sends whole (rgpu.whole_ops, attention)
+COMPOSITE: dict[Any, Any] = {}
 
 
 # -- cache keys -------------------------------------------------------------------------------

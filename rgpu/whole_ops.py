@@ -16,6 +16,7 @@ go whole without grad mode: one message for the sequence instead of several per 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ RNNS = tuple(f"{rnn}.{overload}" for rnn in ("lstm", "gru", "rnn_tanh", "rnn_rel
 # generation) they go whole too and the server runs PyTorch's own composition of them, the very
 # code local torch runs; with a gradient they break up here so autograd records their parts
 WHOLE_WITHOUT_GRAD = ("linear", "matmul", "softmax.int", "log_softmax.int", *RNNS)
+_RNN_NAMES = ("aten::lstm", "aten::gru", "aten::rnn_")  # the CPU picks their kernel by grad mode
 
 
 _LINEAR = aten.linear.default
@@ -93,29 +95,52 @@ def _folds_differently(op: torch._ops.OpOverload, args: tuple) -> bool:
     return any(stride[i] != stride[i + 1] * shape[i + 1] for i in range(len(shape) - 2))
 
 
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+# .op: the op this thread's autograd kernel (below) chose to send whole
+_sent_whole = threading.local()
+
+
+def _breaks_up(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    return (
+        _needs_grad(args, kwargs)
+        or (op in _MATMULS and _folds_differently(op, args))
+        or (op.name().startswith(_RNN_NAMES) and torch.is_grad_enabled())
+    )
+
+
 def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     # PyTorch's C++ formula, the one local torch runs; not `op.decompose`, which prefers a
     # Python port where one is registered (matmul's took ~7% of a Llama training step's client
     # time here)
-    composite = torch._C.DispatchKey.CompositeImplicitAutograd
-
-    grad_mode_picks_kernel = op.name().startswith(("aten::lstm", "aten::gru", "aten::rnn_"))
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if (
-            _needs_grad(args, kwargs)
-            or (op in _MATMULS and _folds_differently(op, args))
-            or (grad_mode_picks_kernel and torch.is_grad_enabled())
-        ):
-            return op._op_dk(composite, *args, **kwargs)
+        if _breaks_up(op, args, kwargs):
+            return op._op_dk(_COMPOSITE, *args, **kwargs)
         with torch._C._AutoDispatchBelowAutograd():
-            return op(*args, **kwargs)
+            _sent_whole.op = op
+            try:
+                return op(*args, **kwargs)
+            finally:
+                _sent_whole.op = None
 
     return run
 
 
-def install(lib: torch.library.Library) -> None:
+def _below_autograd(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """The op reached the device with autograd's kernel skipped (inference mode, a custom op's
+    body): decide as that kernel would. NotImplemented: send it whole."""
+    if getattr(_sent_whole, "op", None) is op:  # the kernel above decided already
+        return NotImplemented
+    if _breaks_up(op, args, kwargs):
+        return op._op_dk(_COMPOSITE, *args, **kwargs)
+    return NotImplemented
+
+
+def install(lib: torch.library.Library, composite: dict) -> None:
+    """Autograd kernels for the ops sent whole, and their handlers in `composite`
+    (rgpu.plans.COMPOSITE) for when they reach the device with autograd skipped."""
     for name in WHOLE + WHOLE_WITHOUT_GRAD:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(aten, packet), overload or "default")
         lib.impl(name, _kernel(op), "AutogradPrivateUse1")
+        composite[op] = _below_autograd
