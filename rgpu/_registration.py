@@ -28,6 +28,7 @@ from . import (
     plans,
     special_ops,
     tensor,
+    torch_load,
     whole_ops,
 )
 
@@ -94,6 +95,7 @@ def register() -> None:
     autocast.install()
     host_memory.install()
     distributed.install()
+    torch_load.install()
     accelerator.install()
     attention.install(lib, plans.COMPOSITE)
     whole_ops.install(lib, plans.COMPOSITE)
