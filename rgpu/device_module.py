@@ -144,7 +144,11 @@ def get_rng_state(device: object = None) -> torch.Tensor:
 
 def set_rng_state(new_state: torch.Tensor, device: object = None) -> None:
     """Restore a state from `get_rng_state` (no wait)."""
-    data = new_state.detach().cpu().contiguous().to(torch.uint8)
+    if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
+        # as torch.cuda.set_rng_state: a state cast from another dtype is not the state
+        got = new_state.dtype if isinstance(new_state, torch.Tensor) else type(new_state).__name__
+        raise TypeError(f"expected a torch.ByteTensor (uint8) from get_rng_state, but got {got}")
+    data = new_state.detach().cpu().contiguous()
     sess, local = _on(device)
     sess.post(
         (Kind.RNG_SET, bytes(data.numpy().tobytes())), device=local if _devices.MULTI else None

@@ -342,6 +342,10 @@ def test_rng_state_fork_rng_and_checkpoint_reproduce(dev):
     torch.rgpu.set_rng_state(state)
     torch.rand(5, device=dev)
     assert torch.equal(torch.rand(5, device=dev).cpu(), b)  # fork_rng restored the stream
+    torch.rgpu.set_rng_state(state)
+    with pytest.raises(TypeError, match="expected a torch.ByteTensor"):
+        torch.rgpu.set_rng_state(state.float())  # cast by value, it was taken as a state
+    assert torch.equal(torch.rand(5, device=dev).cpu(), a)  # and the stream is left as it was
 
     layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)).to(dev)
     x = torch.randn(4, 8, device=dev, requires_grad=True)
