@@ -210,6 +210,11 @@ def _to_meta(x: Any, path: tuple, paths: dict, memo: dict) -> Any:
         return t(_to_meta(y, path + (i,), paths, memo) for i, y in enumerate(x))
     if t is torch.device and x.type == _tensor.DEVICE_TYPE:
         return _META
+    if t is torch.Tensor and x.device.type == "cpu" and x.dim() == 0:
+        # a CPU scalar beside device tensors: CUDA kernels take it as a number, and so do the
+        # Python meta kernels of an accelerator, but not of "meta" (`masked_fill(m, cpu0d)`,
+        # `cpu0d // t`, `copysign`, `index_fill_` raised "expected ... the same device")
+        return torch.empty((), dtype=x.dtype, device=_META)
     return x
 
 

@@ -308,3 +308,36 @@ def test_histc_counts_integers_as_cuda_does(dev, dtype):
     assert torch.histc(same.to(dev), 3).cpu().tolist() == [0, 5, 0]
     floats = torch.randn(100, generator=gen)
     assert torch.equal(torch.histc(floats.to(dev), 6, -1, 1).cpu(), torch.histc(floats, 6, -1, 1))
+
+
+_X = torch.tensor([[1.5, -2.0, 3.0], [4.0, 0.5, -6.0]])
+_S = torch.tensor(2.0)  # a CPU scalar: CUDA kernels take it beside device tensors
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: x.masked_fill(x > 0, _S),
+        lambda x: x.clone().masked_fill_(x > 0, _S),
+        lambda x: _S // x,
+        lambda x: torch.div(_S, x, rounding_mode="floor"),
+        lambda x: torch.copysign(_S, x),
+        lambda x: torch.copysign(x, -_S),
+        lambda x: x.clone().index_fill_(1, torch.tensor([0, 2], device=x.device), _S),
+        lambda x: torch.where(x > 0, x, _S),
+    ],
+    ids=[
+        "masked_fill",
+        "masked_fill_",
+        "rfloordiv",
+        "div_floor",
+        "copysign",
+        "copysign_r",
+        "index_fill_",
+        "where",
+    ],  # fmt: skip
+)
+def test_cpu_scalar_tensors_mix_with_rgpu_tensors_as_with_cuda(dev, f):
+    got, want = f(_X.to(dev)), f(_X)
+    assert got.dtype == want.dtype and got.stride() == want.stride()
+    assert torch.equal(got.cpu(), want)
