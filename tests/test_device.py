@@ -335,7 +335,7 @@ _S = torch.tensor(2.0)  # a CPU scalar: CUDA kernels take it beside device tenso
         "copysign_r",
         "index_fill_",
         "where",
-    ],  # fmt: skip
+    ],
 )
 def test_cpu_scalar_tensors_mix_with_rgpu_tensors_as_with_cuda(dev, f):
     got, want = f(_X.to(dev)), f(_X)
