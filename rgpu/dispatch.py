@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, TensorMeta, ref_ext
 
 from . import current as _cur
+from . import default_dtype as _default_dtype
 from . import devices as _devices
 from . import tensor as _tensor
 from .plans import (
@@ -47,6 +48,8 @@ from .tensor import (
 )
 
 _RUN = int(Kind.RUN)
+_default = torch.get_default_dtype
+_FLOAT32 = torch.float32
 _RUN_DYN = int(Kind.RUN_DYN)
 
 
@@ -119,6 +122,11 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     except Traced:
         return run_traced(func, args, kwargs)
     plans = CURRENT_PLANS[1] if sess is CURRENT_PLANS[0] else plans_for(sess)
+    if _default() is not _FLOAT32:  # the server's default stays float32
+        key = (key, _default())
+        out = _default_dtype.rewrite(dispatch, func, info, args, kwargs, key, plans, sess)
+        if out is not None:
+            return out
     plan = plans.get(key)
     if plan is None:
         plan = infer(func, info, args, kwargs, sess)
