@@ -15,7 +15,7 @@ import torch
 aten = torch.ops.aten
 
 # c10's names for dtypes, as the CPU's messages spell them
-_C10_NAMES = {
+C10_NAMES = {
     torch.float64: "Double", torch.float32: "Float", torch.float16: "Half",
     torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
     torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool", torch.complex32: "ComplexHalf",
@@ -63,8 +63,8 @@ def check_result_type(func, args: tuple, kwargs: dict) -> None:
         return  # the in-place meta kernel gives its own error
     if isinstance(out, torch.Tensor) and not torch.can_cast(out.dtype, args[0].dtype):
         raise RuntimeError(
-            f"result type {_C10_NAMES.get(out.dtype, out.dtype)} can't be cast to the desired "
-            f"output type {_C10_NAMES.get(args[0].dtype, args[0].dtype)}"
+            f"result type {C10_NAMES.get(out.dtype, out.dtype)} can't be cast to the desired "
+            f"output type {C10_NAMES.get(args[0].dtype, args[0].dtype)}"
         )
 
 

@@ -36,9 +36,10 @@ from typing import Any
 import torch
 import torch._meta_registrations as _meta_registrations
 
-from . import in_place_meta
+from . import dtype_meta, in_place_meta, out_meta
 from .strides import empty_like_strides, row_major, tensor_iterator_strides
 
+aten = torch.ops.aten
 _local = threading.local()
 _torch_device_hint = _meta_registrations.device_hint
 
@@ -63,6 +64,7 @@ def device_type(device: str) -> str:
 
 def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
     """The op's outputs on meta tensors, laid out as a `device` server will lay them out."""
+    outs = out_meta.out_arguments(func, args, kwargs)
     saved = getattr(_local, "device", None)
     _local.device = "cuda" if func in _AS_CUDA else device
     try:
@@ -70,6 +72,8 @@ def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
             out = _as_bfloat16(func, args, kwargs)
         elif func in in_place_meta.VIA_FUNCTIONAL:
             out = in_place_meta.via_functional(func, args, kwargs)
+        elif dtype_meta.predicts(func, args, kwargs):
+            out = dtype_meta.run(func, args, kwargs)
         else:
             out = func(*args, **kwargs)
     finally:
@@ -88,7 +92,14 @@ def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
             out = _relayout_suggested(out, args[suggested])
         elif name in _CONTIGUOUS_OUTPUTS and not func._schema.is_mutable:  # out= keeps its own
             out = _relayout_contiguous(out)
+    if outs:
+        out_meta.lay_out(func, outs, args, kwargs, device, _follows_tensor_iterator, _predicted)
     return out
+
+
+def _predicted(func, args: tuple, kwargs: dict, device: str) -> Any:
+    """`run_meta`, or None for an op whose layout only the server knows (`out_meta`'s callback)."""
+    return None if must_ask_server(func, args) else run_meta(func, args, kwargs, device)
 
 
 # Ops every rgpu server runs with CUDA's semantics, whatever its device (server/kernels.py): their
@@ -177,7 +188,6 @@ def _relayout_like(out: Any, x: Any, kwargs: dict) -> Any:
 _FOLLOWS_TENSOR_ITERATOR: dict[Any, bool] = {}
 # pointwise-tagged ops whose real kernels do not allocate their output through TensorIterator
 _NOT_TENSOR_ITERATOR = {"clone", "masked_fill", "positive"}
-aten = torch.ops.aten
 _SCALAR_IS_A_PARAMETER = {aten.pow.Tensor_Scalar}  # a unary kernel with the exponent as a constant
 # TensorIterator gets (self, grad_output): the output follows self's layout, not the gradient's
 _OPERANDS_REVERSED = {aten.threshold_backward.default, aten.leaky_relu_backward.default}
@@ -187,10 +197,11 @@ _ROW_MAJOR = {aten.pow.Scalar}
 
 
 # activation backwards that are TensorIterator binary ops of (grad_output, self) on every device
-# but carry no pointwise tag
+# but carry no pointwise tag, and binary TensorIterator ops without the tag
 _TENSOR_ITERATOR_BACKWARDS = {
     "hardswish_backward", "hardsigmoid_backward", "elu_backward", "leaky_relu_backward",
     "softplus_backward", "hardtanh_backward", "softshrink_backward", "hardshrink_backward",
+    "floor_divide", "complex", "polar",
 }  # fmt: skip
 
 

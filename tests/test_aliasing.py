@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -78,6 +80,110 @@ def test_out_arguments_write_and_return_the_given_tensor(dev):
     torch.max(r, 1, out=(vals_r, idx_r))
     check(vals_r, vals_c)
     check(idx_r, idx_c)
+
+
+_AT = torch.arange(12.0).reshape(3, 4).t() / 7 - 0.5  # transposed: strides (1, 4)
+_CL = (torch.arange(120.0).reshape(2, 3, 4, 5) / 50 - 1).contiguous(
+    memory_format=torch.channels_last
+)
+_IT = torch.arange(12).reshape(3, 4).t() - 5
+_RESIZED_OUT = {
+    "exp": lambda x, o: torch.exp(x, out=o),
+    "abs": lambda x, o: torch.abs(x, out=o),
+    "sigmoid": lambda x, o: torch.sigmoid(x, out=o),
+    "neg": lambda x, o: torch.neg(x, out=o),
+    "add": lambda x, o: torch.add(x, x, out=o),
+    "add scalar": lambda x, o: torch.add(x, 1, out=o),
+    "mul": lambda x, o: torch.mul(x, 3, out=o),
+    "where": lambda x, o: torch.where(x > 0, x, x * 2, out=o),
+    "clamp": lambda x, o: torch.clamp(x, -0.2, 0.2, out=o),
+    "pow": lambda x, o: torch.pow(x, 2, out=o),
+    "lerp": lambda x, o: torch.lerp(x, x * 2, 0.3, out=o),
+    "addcmul": lambda x, o: torch.addcmul(x, x, x, out=o),
+    "round": lambda x, o: torch.round(x, out=o),
+    "gelu": lambda x, o: torch._C._nn.gelu(x, out=o),
+    "leaky_relu": lambda x, o: torch._C._nn.leaky_relu(x, out=o),
+    "hardtanh": lambda x, o: torch._C._nn.hardtanh(x, out=o),
+    "deg2rad": lambda x, o: torch.deg2rad(x, out=o),
+    "cat": lambda x, o: torch.cat([x, x], 0, out=o),
+}
+
+
+def _read_through_views(r, c):
+    """`r` laid out as `c`, and every view of it reading the CPU's elements."""
+    check(r, c)
+    assert torch.equal(r.reshape(-1).cpu(), c.reshape(-1))
+    assert torch.equal(r.flatten()[:5].cpu(), c.flatten()[:5])
+    assert torch.equal(r[0].cpu(), c[0])
+
+
+@pytest.mark.parametrize("x", [_AT, _CL], ids=["transposed", "channels-last"])
+@pytest.mark.parametrize("op", list(_RESIZED_OUT), ids=list(_RESIZED_OUT))
+@pytest.mark.parametrize("given", ["empty", "wrong-size"])
+def test_a_resized_out_is_laid_out_as_on_the_cpu(dev, op, x, given):
+    """The CPU's kernels restride an out= tensor they resize to the layout they compute from
+    the inputs (a transposed or channels-last input's); the client recorded it row-major, and
+    every view of it read the wrong elements."""
+    f = _RESIZED_OUT[op]
+    make = (lambda d: torch.empty(0, device=d)) if given == "empty" else (
+        lambda d: torch.empty(7, device=d)
+    )  # fmt: skip
+    c = make("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "An output with one or more elements was resized"
+        f(x, c)
+        r = make(dev)
+        assert f(x.to(dev), r) is r
+    _read_through_views(r, c)
+
+
+@pytest.mark.parametrize(
+    "f, dtype",
+    [
+        (lambda x, o: torch.eq(x, 0.1, out=o), torch.bool),
+        (lambda x, o: torch.bitwise_not(x, out=o), torch.int64),
+        (lambda x, o: torch.abs(x, out=o), torch.int64),
+    ],
+    ids=["eq", "bitwise_not", "abs"],
+)
+def test_a_resized_out_of_another_dtype_is_laid_out_as_on_the_cpu(dev, f, dtype):
+    x = _AT if dtype == torch.bool else _IT
+    c, r = torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype, device=dev)
+    f(x, c)
+    f(x.to(dev), r)
+    _read_through_views(r, c)
+
+
+@pytest.mark.parametrize(
+    "f, pair_with_indices",
+    [
+        (lambda x, o: torch.exp(x, out=o), False),
+        (lambda x, o: torch.add(x, 1, out=o), False),
+        (lambda x, o: torch.sort(x, 0, out=o), True),
+        (lambda x, o: torch.cat([x[:2], x[2:]], 0, out=o), False),
+    ],
+    ids=["exp", "add", "sort", "cat"],
+)
+@pytest.mark.parametrize("layout", ["transposed", "contiguous", "sliced"])
+def test_an_out_of_the_right_size_keeps_its_own_layout(dev, f, pair_with_indices, layout):
+    """Not resized, an out= tensor keeps its strides and offset on the CPU (sort's meta kernel
+    restrided it to its input's layout)."""
+
+    def make(d):
+        if layout == "transposed":
+            o = torch.zeros(3, 4, device=d).t()
+        elif layout == "sliced":
+            o = torch.zeros(4, 6, device=d)[:, 1:4]
+        else:
+            o = torch.zeros(4, 3, device=d)
+        return (o, torch.zeros(o.shape, dtype=torch.long, device=d)) if pair_with_indices else o
+
+    x = torch.arange(12.0).reshape(3, 4).t() / 5
+    c, r = make("cpu"), make(dev)
+    f(x, c)
+    f(x.to(dev), r)
+    for rr, cc in zip(r, c) if pair_with_indices else [(r, c)]:
+        _read_through_views(rr, cc)
 
 
 @pytest.mark.parametrize(

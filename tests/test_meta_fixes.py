@@ -15,9 +15,11 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import rgpu
-from rgpu import meta_fixes, strides
+from rgpu import in_place_meta, meta_fixes, strides
 
 torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 import opinfo_harness  # noqa: E402,F401  (draws samples without torch's stack walk)
@@ -261,6 +263,220 @@ def test_pointwise_ops_on_random_layouts_are_predicted_with_the_cpus_strides():
     assert not wrong, wrong
 
 
+# -- out= tensors: resized ones laid out as the CPU lays them out, others kept -----------------
+
+OUT_KINDS = ["empty", "wrong-size", "right-size-reversed"]
+
+
+def _out_like(kind: str, t: torch.Tensor) -> torch.Tensor:
+    if kind == "empty":
+        return torch.empty(0, dtype=t.dtype)
+    if kind == "wrong-size":
+        return torch.empty(7, 2, dtype=t.dtype)
+    dims = list(range(t.dim()))[::-1]
+    return torch.empty([t.shape[d] for d in dims], dtype=t.dtype).permute(dims)
+
+
+def _channels_last(x):
+    if isinstance(x, torch.Tensor) and x.dim() == 4 and x.layout == torch.strided:
+        y = x.detach().contiguous(memory_format=torch.channels_last)
+        return y.requires_grad_(x.requires_grad)
+    return _reversed(x)
+
+
+def test_every_out_overload_the_opinfo_samples_reach_lays_out_out_as_the_cpu():
+    """An out= tensor the op resizes takes the layout the CPU's kernel computes from the inputs
+    (a transposed or channels-last input's, or column-major for LAPACK's), not row-major; one of
+    the right shape keeps its own strides (sort's meta kernel restrided it)."""
+    mode = PredictEveryOp()
+    ran = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "An output with one or more elements was resized"
+        for op in torch_testing.op_db:
+            if not op.supports_out or torch.float32 not in op.supported_dtypes("cpu"):
+                continue
+            for sample, layout in itertools.product(
+                _samples(op, torch.float32, False, k=4), (_reversed, _channels_last)
+            ):
+                sample = sample.transform(layout)
+                try:
+                    result = op(sample.input, *sample.args, **sample.kwargs)
+                except Exception:
+                    continue  # the sample is invalid on the CPU
+                flat = tree_flatten(result)[0]
+                if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
+                    continue
+                for kind in OUT_KINDS:
+                    outs = [_out_like(kind, t) for t in flat]
+                    out = outs[0] if isinstance(result, torch.Tensor) else tuple(outs)
+                    try:
+                        with mode:
+                            op(sample.input, *sample.args, **sample.kwargs, out=out)
+                        ran += 1
+                    except Exception:
+                        continue
+    assert ran > 5000
+    assert not mode.wrong, "\n".join(mode.wrong.values())
+
+
+OUT_OVERLOADS = {
+    f: op
+    for op in POINTWISE
+    for packet in [getattr(torch.ops.aten, op._schema.name.split("::", 1)[1])]
+    for f in (getattr(packet, o) for o in packet.overloads())
+    if torch.Tag.out in f.tags
+    and [(a.name, str(a.type)) for a in f._schema.arguments if not a.is_out]
+    == [(a.name, str(a.type)) for a in op._schema.arguments]
+}
+
+
+def test_out_overloads_of_pointwise_ops_on_random_layouts_lay_out_out_as_the_cpu():
+    rng = random.Random(1)
+    dtypes = [torch.float16, torch.float32, torch.int64, torch.bool, torch.complex64]
+    wrong, compared = {}, 0
+    overloads = sorted(OUT_OVERLOADS, key=str)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(5000):
+            func = rng.choice(overloads)
+            op = OUT_OVERLOADS[func]
+            dtype = rng.choice(dtypes)
+            shape = [
+                rng.choice([1, 2, 3, 4] if rng.random() > 0.1 else [0, 1, 3])
+                for _ in range(rng.randint(0, 4))
+            ]
+            args = _arguments(rng, op, dtype, shape)
+            if args is None or meta_fixes.must_ask_server(func, tuple(args)):
+                continue  # ldexp, mvlgamma: RUN_DYN, whose reply lays `out` out
+            try:
+                result = op(*args)
+            except Exception:
+                continue  # not a valid call
+            kind = rng.choice(OUT_KINDS)
+            names = [a.name for a in func._schema.arguments if a.is_out]
+            outs = dict(zip(names, (_out_like(kind, t) for t in tree_flatten(result)[0])))
+            meta_outs = {k: _meta_like(v) for k, v in outs.items()}
+            try:
+                func(*args, **outs)
+            except Exception:
+                continue  # the out= overload refuses it (a dtype it cannot cast to)
+            try:
+                meta_fixes.run_meta(func, tuple(_meta_like(a) for a in args), meta_outs, "cpu")
+            except Exception:
+                continue  # rgpu asks the server (RUN_DYN), or a loud meta error
+            compared += 1
+            for name in names:
+                if _layout_differs(outs[name], meta_outs[name]):
+                    wrong.setdefault(
+                        f"{func} ({kind})",
+                        (
+                            [(tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
+                             for a in args],
+                            outs[name].stride(),
+                            meta_outs[name].stride(),
+                        ),
+                    )  # fmt: skip
+    assert compared > 2500
+    assert not wrong, wrong
+
+
+# -- shifts and pow of bools: the meta kernels' dtypes and refusals are not the CPU's ----------
+
+
+def _predict(func, *args):
+    return meta_fixes.run_meta(func, tuple(_meta_like(a) for a in args), {}, "cpu")
+
+
+SHIFT_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float32]
+
+
+@pytest.mark.parametrize(
+    "name", ["__lshift__", "__rshift__", "__ilshift__", "__irshift__"]
+)  # fmt: skip
+def test_shifts_are_predicted_with_the_cpus_dtype_or_left_to_the_server(name):
+    """`bool_tensor << 1` is int64 on the CPU; the dunders' meta kernels refused every bool."""
+    packet = getattr(torch.ops.aten, name)
+    compared = 0
+    for dtype, other in itertools.product(SHIFT_DTYPES, [*SHIFT_DTYPES, 1, True, 2.0]):
+        x = torch.tensor([[1, 0, 3], [2, 1, 0]]).to(dtype).t()
+        if isinstance(other, torch.dtype):
+            func, exp = packet.Tensor, torch.tensor([1, 2]).to(other)
+        else:
+            func, exp = packet.Scalar, other
+        try:
+            real = func(x.clone(), exp)
+        except NotImplementedError:
+            with pytest.raises(NotImplementedError):  # planned RUN_DYN: the server raises it
+                _predict(func, x.clone(), exp)
+            continue
+        except RuntimeError as e:
+            with pytest.raises(RuntimeError, match=re.escape(str(e))):
+                _predict(func, x.clone(), exp)
+            continue
+        predicted = _predict(func, x.clone(), exp)
+        assert (predicted.dtype, predicted.shape) == (real.dtype, real.shape), (dtype, other)
+        assert predicted.stride() == real.stride(), (dtype, other)
+        compared += 1
+    assert compared > 20
+
+
+@pytest.mark.parametrize("exponent", [True, False, 0, 1, 2, 2.0, 0.5, 1j])
+def test_pow_of_a_bool_tensor_is_predicted_with_the_cpus_dtype(exponent):
+    """`torch.pow(bool_tensor, True)` is bool on the CPU (a copy; `False` fills ones); the meta
+    kernel said int64, so the client's tensor disagreed with the server's."""
+    b = torch.tensor([[True, False, True], [False, True, True]]).t()
+    real = torch.pow(b, exponent)
+    predicted = _predict(torch.ops.aten.pow.Tensor_Scalar, b, exponent)
+    assert (predicted.dtype, predicted.shape, predicted.stride()) == (
+        real.dtype,
+        real.shape,
+        real.stride(),
+    )
+    # in place and out=, as the CPU does them (or refuses them)
+    inplace = torch.ops.aten.pow_.Scalar
+    try:
+        b.clone().pow_(exponent)
+    except RuntimeError:  # "result type Long can't be cast to the desired output type Bool"
+        with pytest.raises(RuntimeError, match="cast"):
+            in_place_meta.check_result_type(inplace, (_meta_like(b), exponent), {})
+            _predict(inplace, b.clone(), exponent)
+    else:
+        in_place_meta.check_result_type(inplace, (_meta_like(b), exponent), {})
+        predicted = _predict(inplace, b.clone(), exponent)
+        assert (predicted.dtype, predicted.stride()) == (torch.bool, b.stride())
+    for dtype in (torch.bool, torch.int32, torch.float32):
+        out, meta_out = torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype, device="meta")
+        try:
+            torch.pow(b, exponent, out=out)
+        except RuntimeError:
+            continue
+        meta_fixes.run_meta(
+            torch.ops.aten.pow.Tensor_Scalar_out,
+            (_meta_like(b), exponent),
+            {"out": meta_out},
+            "cpu",
+        )
+        assert (meta_out.dtype, meta_out.shape, meta_out.stride()) == (
+            out.dtype,
+            out.shape,
+            out.stride(),
+        )
+
+
+def test_pows_the_cpu_refuses_in_bool_are_left_to_the_server():
+    b = torch.tensor([True, False])
+    for func, args in [
+        (torch.ops.aten.pow.Tensor_Tensor, (b, b)),
+        (torch.ops.aten.pow.Tensor_Tensor, (b, torch.tensor(True))),
+        (torch.ops.aten.pow.Scalar, (True, b)),
+        (torch.ops.aten.pow_.Tensor, (b.clone(), b)),
+    ]:
+        with pytest.raises(NotImplementedError):
+            func(*args)
+        with pytest.raises(NotImplementedError):  # planned RUN_DYN, where the server raises it
+            _predict(func, *args)
+
+
 def test_tensor_iterator_strides_follow_the_layout_of_the_decisive_input():
     tis = strides.tensor_iterator_strides
     assert tis([((2, 3), (3, 1)), ((2, 3), (3, 1))], (2, 3)) == (3, 1)  # contiguous fast path
@@ -304,6 +520,80 @@ def test_a_pointwise_op_of_an_expanded_and_a_transposed_input_reads_right(dev, d
     assert got.stride() == expected.stride()
     assert torch.equal(got[:, 1].cpu(), expected[:, 1])
     assert torch.equal(got.t().cpu(), expected.t())
+
+
+def _same_as_cpu(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert (got.dtype, got.shape, got.stride()) == (
+        expected.dtype,
+        expected.shape,
+        expected.stride(),
+    )
+    assert torch.equal(got.cpu(), expected)
+    assert torch.equal(got.reshape(-1).cpu(), expected.reshape(-1))
+
+
+SHIFTS = {
+    "t << t": lambda a, b: a << b,
+    "t >> t": lambda a, b: a >> b,
+    "t << 1": lambda a, b: a << 1,
+    "t >> 1": lambda a, b: a >> 1,
+    "1 << t": lambda a, b: 1 << a,
+    "t <<= 1": lambda a, b: a.clone().__ilshift__(1),
+    "t >>= t": lambda a, b: a.clone().__irshift__(b),
+    "t << cpu 0-dim": lambda a, b: a << torch.tensor(1),
+    "out=": lambda a, b: torch.ops.aten.__lshift__.Tensor_out(a, b, out=a.new_empty(0)),
+}
+
+
+@pytest.mark.parametrize("dtypes", [(torch.int64, torch.int64), (torch.uint8, torch.int32),
+                                    (torch.bool, torch.int64), (torch.int32, torch.bool),
+                                    (torch.int8, torch.int8)],
+                         ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))  # fmt: skip
+@pytest.mark.parametrize("op", list(SHIFTS), ids=list(SHIFTS))
+def test_shifts_run_as_on_the_cpu(dev, op, dtypes):
+    """`t << 1` and its kin failed at the next sync: the server refused the name
+    `__lshift__.Scalar`, and the dunders' meta kernels refused a bool operand."""
+    f = SHIFTS[op]
+    a = torch.tensor([[1, 2, 3], [0, 1, 5]]).to(dtypes[0]).t()
+    b = torch.tensor([1, 0]).to(dtypes[1])
+    try:
+        expected = f(a, b)
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match=re.escape(str(e).split(":")[-1].strip())):
+            f(a.to(dev), b.to(dev))
+        return
+    _same_as_cpu(f(a.to(dev), b.to(dev)), expected)
+
+
+@pytest.mark.parametrize("exponent", [True, False, 1, 0, 2, 2.0, 0.5])
+def test_pow_of_a_bool_tensor_reads_back_as_on_the_cpu(dev, exponent):
+    """`torch.pow(bool_tensor, True)` was int64 on the client, bool on the server: `.cpu()`
+    raised ProtocolViolation, other reads were wrong."""
+    b = torch.tensor([[True, False, True], [False, True, True]]).t()
+    _same_as_cpu(torch.pow(b.to(dev), exponent), torch.pow(b, exponent))
+    _same_as_cpu(b.to(dev) ** exponent, b**exponent)
+    assert (torch.pow(b.to(dev), exponent).long() * 5).sum().item() == (
+        (torch.pow(b, exponent).long() * 5).sum().item()
+    )
+    if isinstance(exponent, bool):
+        _same_as_cpu(b.to(dev).clone().pow_(exponent), b.clone().pow_(exponent))
+        out_r, out_c = (
+            torch.empty(0, dtype=torch.bool, device=dev),
+            torch.empty(0, dtype=torch.bool),
+        )
+        torch.pow(b.to(dev), exponent, out=out_r)
+        torch.pow(b, exponent, out=out_c)
+        _same_as_cpu(out_r, out_c)
+
+
+def test_pows_the_cpu_refuses_in_bool_raise_at_the_op(dev):
+    b = torch.tensor([True, False])
+    for f in [lambda x: torch.pow(x, x), lambda x: True**x, lambda x: x.clone().pow_(x)]:
+        with pytest.raises(NotImplementedError):
+            f(b)
+        with pytest.raises(rgpu.RemoteError, match="not implemented for 'Bool'"):
+            f(b.to(dev))
+    assert torch.equal(b.to(dev).cpu(), b)  # the session goes on
 
 
 # -- the checking mode ----------------------------------------------------------------------

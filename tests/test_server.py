@@ -342,3 +342,19 @@ def _gone(pid: int, timeout: float = 15) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_aten_dunder_operators_resolve_and_other_dunder_names_are_refused():
+    """`t << 1` is `aten::__lshift__.Scalar`: refused as "not an aten operator name", it failed
+    at the next sync. Only aten's own dunder operators resolve; any other name with `__` is
+    refused before it is looked up."""
+    from rgpu_server import ops
+
+    for name in ["__lshift__.Scalar", "__rshift__.Tensor", "__ilshift__.Scalar", "__irshift__.Tensor",
+                 "__lshift__.Tensor_out", "__and__.Tensor"]:  # fmt: skip
+        assert ops.resolve(name).label == f"aten::{name}"
+    for name in ["__class__.x", "__init__.Scalar", "__dict__.Tensor", "__getattr__.Scalar",
+                 "add.__Tensor", "add.__class__", "__lshift__.__x__", "_x__y.Tensor",
+                 "__lshift__.nope", "__LSHIFT__.Scalar"]:  # fmt: skip
+        with pytest.raises(ops.OpRefused):
+            ops.resolve(name)

@@ -15,6 +15,25 @@ import torch
 from rgpu_protocol import written_arguments
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
+_DUNDER = re.compile(r"^__[a-z]+__$")
+_dunders: frozenset[str] | None = None
+
+
+def _aten_dunder(base: str) -> bool:
+    """Whether `base` names one of aten's own dunder operators (`__lshift__`, `__irshift__`,
+    `__and__`, ...: what `t << 1` and `t <<= 1` dispatch to). Other names with `__` are refused
+    before any lookup, so a name can never reach a Python attribute of the namespace object."""
+    global _dunders
+    if not _DUNDER.match(base):
+        return False
+    if _dunders is None:
+        _dunders = frozenset(
+            n.split("::", 1)[1].split(".", 1)[0]
+            for n in torch._C._dispatch_get_all_op_names()
+            if n.startswith("aten::__")
+        )
+    return base in _dunders
+
 
 # Operators a client may not run, each with the reason. Keys are "name.overload" or "name" (every
 # overload).
@@ -91,9 +110,11 @@ def resolve(name: str) -> ResolvedOp:
     hit = _cache.get(name)
     if hit is not None:
         return hit
-    if not _NAME.match(name) or "__" in name:
+    if not _NAME.match(name):
         raise OpRefused(f"{name!r} is not an aten operator name (expected 'name.overload')")
     base, overload = name.split(".", 1)
+    if "__" in overload or ("__" in base and not _aten_dunder(base)):
+        raise OpRefused(f"{name!r} is not an aten operator name (expected 'name.overload')")
     why = BLOCKED.get(name) or BLOCKED.get(base)
     if why:
         raise OpRefused(f"aten::{name} is not allowed on an rgpu server: it {why}")
