@@ -37,7 +37,7 @@ RNNS = tuple(f"{rnn}.{overload}" for rnn in ("lstm", "gru", "rnn_tanh", "rnn_rel
 # generation) they go whole too and the server runs PyTorch's own composition of them, the very
 # code local torch runs; with a gradient they break up here so autograd records their parts
 WHOLE_WITHOUT_GRAD = ("linear", "matmul", "softmax.int", "log_softmax.int", *RNNS)
-_RNN_NAMES = ("aten::lstm", "aten::gru", "aten::rnn_")  # the CPU picks their kernel by grad mode
+_GRAD_MODE_PICKS: set = set()  # the RNN overloads: the CPU picks their kernel by grad mode
 
 
 _LINEAR = aten.linear.default
@@ -104,7 +104,7 @@ def _breaks_up(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     return (
         _needs_grad(args, kwargs)
         or (op in _MATMULS and _folds_differently(op, args))
-        or (op.name().startswith(_RNN_NAMES) and torch.is_grad_enabled())
+        or (op in _GRAD_MODE_PICKS and torch.is_grad_enabled())
     )
 
 
@@ -142,5 +142,7 @@ def install(lib: torch.library.Library, composite: dict) -> None:
     for name in WHOLE + WHOLE_WITHOUT_GRAD:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(aten, packet), overload or "default")
+        if name in RNNS:
+            _GRAD_MODE_PICKS.add(op)
         lib.impl(name, _kernel(op), "AutogradPrivateUse1")
         composite[op] = _below_autograd

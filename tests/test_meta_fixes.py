@@ -198,6 +198,14 @@ POINTWISE = sorted(
 )
 
 
+def _random_shape(rng) -> list[int]:
+    """Up to 4 dims of 1-4, now and then an empty one."""
+    return [
+        rng.choice([1, 2, 3, 4] if rng.random() > 0.1 else [0, 1, 3])
+        for _ in range(rng.randint(0, 4))
+    ]
+
+
 def _arguments(rng, op, dtype, shape):
     args = []
     for a in op._schema.arguments:
@@ -234,11 +242,7 @@ def test_pointwise_ops_on_random_layouts_are_predicted_with_the_cpus_strides():
     for _ in range(6000):
         op = rng.choice(POINTWISE)
         dtype = rng.choice(dtypes)
-        shape = [
-            rng.choice([1, 2, 3, 4] if rng.random() > 0.1 else [0, 1, 3])
-            for _ in range(rng.randint(0, 4))
-        ]
-        args = _arguments(rng, op, dtype, shape)
+        args = _arguments(rng, op, dtype, _random_shape(rng))
         if args is None or meta_fixes.must_ask_server(op, tuple(args)):
             continue
         try:
@@ -341,11 +345,7 @@ def test_out_overloads_of_pointwise_ops_on_random_layouts_lay_out_out_as_the_cpu
             func = rng.choice(overloads)
             op = OUT_OVERLOADS[func]
             dtype = rng.choice(dtypes)
-            shape = [
-                rng.choice([1, 2, 3, 4] if rng.random() > 0.1 else [0, 1, 3])
-                for _ in range(rng.randint(0, 4))
-            ]
-            args = _arguments(rng, op, dtype, shape)
+            args = _arguments(rng, op, dtype, _random_shape(rng))
             if args is None or meta_fixes.must_ask_server(func, tuple(args)):
                 continue  # ldexp, mvlgamma: RUN_DYN, whose reply lays `out` out
             try:
