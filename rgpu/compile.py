@@ -32,6 +32,7 @@ from rgpu_protocol import (
 from . import current as _cur
 from . import devices as _devices
 from . import tensor as _tensor
+from .input_aliasing import unseen_aliasing
 from .tensor import Handle, RemoteTensor, key_of_meta, meta_of_key, wrap_inner
 
 log = logging.getLogger("rgpu")
@@ -330,9 +331,32 @@ def compile_backend(compiler: str = "inductor", mode: str | None = None) -> Any:
     from torch._dynamo.backends.common import aot_autograd
 
     fn = _graph_compiler(compiler, mode)
-    return aot_autograd(
+    aot = aot_autograd(
         fw_compiler=fn, bw_compiler=fn, partition_fn=min_cut_rematerialization_partition
     )
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        if unseen_aliasing(gm, example_inputs):
+            _warn_once(
+                "it writes an input that shares its storage with another input without being "
+                "its view (x and x.detach())"
+            )
+            return gm
+        try:
+            return aot(gm, example_inputs, **kwargs)
+        except Exception as e:
+            # AOTAutograd refuses some graphs of subclass inputs (inputs that alias one another
+            # and are mutated): Dynamo's graph, run as eager remote ops, keeps their semantics
+            _warn_once(f"AOTAutograd could not trace it ({_first_sentence(e)})")
+            return gm
+
+    return backend
+
+
+def _first_sentence(e: Exception) -> str:
+    """The first sentence of `e`, on one line."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text.split('. ')[0][:240]}"
 
 
 def _mode_of(config_patches: dict | None) -> str | None:

@@ -16,6 +16,7 @@ from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, TensorMeta, ref_ext
 from . import current as _cur
 from . import default_dtype as _default_dtype
 from . import devices as _devices
+from . import storage_ids as _storage_ids
 from . import tensor as _tensor
 from .plans import (
     CURRENT_PLANS,
@@ -141,6 +142,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
     if single is not None:
         out = wrap_dense(sess, single, dev) if plan.dense else wrap(sess, single, dev)
         sess.post((_RUN, info.wire, args, kwargs or None, [out._r.id]), device=where)
+        if info.view_op:  # a view the server makes (of another dtype): the same storage
+            _storage_ids.alias(out._r, args[0]._r)
         return out
     if plan.view:
         base: Handle = args[0]._r
@@ -235,6 +238,7 @@ def materialize(w: RemoteTensor, sess, where: int | None = None) -> None:
         return
     tid = _tensor.next_id()
     sess.post((_RUN, "alias.default", [w], None, [tid]), device=where)
+    _storage_ids.alias(h, h.base)
     h.id = tid
     h.base = None
     h.ext = ref_ext(tid)

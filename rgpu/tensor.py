@@ -17,10 +17,13 @@ import msgpack
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from rgpu import storage_ids
 from rgpu_protocol import EXT_REF, ref_ext, storage_span, view_ext
 
 _new_ext = tuple.__new__
 _DATA = torch._C.TensorBase.data  # the C getter and setter behind `Tensor.data`
+_UNTYPED_STORAGE = torch._C.TensorBase.untyped_storage  # the wrapper's own, holding no data
+_DATA_PTR = torch._C.TensorBase.data_ptr
 _ExtType = msgpack.ExtType
 _pack_id = struct.Struct("<Q").pack
 
@@ -200,6 +203,22 @@ class RemoteTensor(torch.Tensor):
         _DATA.__set__(self, new)  # sizes, strides, offset, dtype, device: PyTorch's own checks
         self._r = handle  # the same server tensor (or lazy view) as `new`, as on CUDA
         self.__dict__.pop("_m", None)  # the inner meta of torch.compile follows the new layout
+
+    # -- storage identity: what libraries that find shared tensors by pointer read ------------
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        if self._r is TRACED:  # the fake inner's: shared by the fakes of a tensor and its views
+            return self._rgpu_meta.untyped_storage()
+        if storage_ids.dynamo_is_tracing():
+            # Dynamo fakes an input that shares another's storage by set_() onto a meta
+            # storage, which PyTorch refuses for a tensor on rgpu; views it relates by `_base`
+            return _UNTYPED_STORAGE(self)
+        return storage_ids.untyped_storage(self)
+
+    def data_ptr(self) -> int:
+        if self._r is TRACED:
+            return _DATA_PTR(self)
+        return storage_ids.data_ptr(self)
 
     # -- things torch.Tensor refuses for subclasses, or does with many remote ops ------------
 
@@ -387,7 +406,7 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
     """
     dtype, shape, stride, offset, nbytes, flags = key
     with torch.no_grad(), no_dispatch():
-        if nbytes != w.untyped_storage().nbytes() or dtype != w.dtype:
+        if nbytes != _UNTYPED_STORAGE(w).nbytes() or dtype != w.dtype:
             big = _make(
                 RemoteTensor,
                 (nbytes // max(dtype.itemsize, 1),),
@@ -398,7 +417,7 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
             torch._C._set_meta_in_tls_dispatch_include(True)
             try:
                 torch.ops.aten.set_.source_Storage_storage_offset(
-                    w, big.untyped_storage(), offset, shape, stride
+                    w, _UNTYPED_STORAGE(big), offset, shape, stride
                 )
             finally:
                 torch._C._set_meta_in_tls_dispatch_include(False)
