@@ -12,7 +12,7 @@ from rgpu_protocol import dense_strides
 
 from . import current as _cur
 from . import devices as _devices
-from . import peer_copy
+from . import peer_copy, storage_ids
 from . import tensor as _tensor
 from .dispatch import dispatch
 from .plans import check_session
@@ -153,9 +153,31 @@ def _lift_fresh(func, info, args, kwargs):
 
 
 def _set_storage(func, info, args, kwargs):
-    raise NotImplementedError(
-        "rgpu tensors cannot be pointed at a raw Storage; use set_(other_tensor)"
-    )
+    """`t.set_(storage, offset, size, stride)` over a storage that stands for a server storage
+    (`x.untyped_storage()`, or torch.load's uploaded bytes): `t` views that server storage."""
+    t, storage, *layout = args
+    handle = storage_ids.owner(storage) if isinstance(storage, torch.UntypedStorage) else None
+    if handle is None:
+        raise NotImplementedError(
+            "rgpu tensors cannot be pointed at this Storage: it is not the storage of a live "
+            "rgpu tensor (a storage does not keep its tensors alive). Use t.set_(other_tensor), "
+            "or t.set_(x.untyped_storage(), offset, size, stride) while x lives"
+        )
+    nbytes = handle.key[4]
+    if nbytes % t.element_size():
+        raise RuntimeError(
+            f"set_: a storage of {nbytes} bytes does not hold whole {t.dtype} elements"
+        )
+    whole = _tensor.wrap_handle(handle)
+    flat = whole.as_strided((nbytes // whole.element_size(),), (1,), 0).view(t.dtype)
+    if layout or kwargs:
+        offset = layout[0] if layout else kwargs["storage_offset"]
+        size = layout[1] if len(layout) > 1 else kwargs["size"]
+        stride = layout[2] if len(layout) > 2 else kwargs.get("stride") or dense_strides(size)
+        flat = flat.as_strided(size, stride, offset)
+    t.set_(flat)
+    storage_ids.alias(t._r, handle)
+    return t
 
 
 def _decomposed(func, info, args, kwargs):

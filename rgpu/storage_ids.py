@@ -10,6 +10,10 @@ and all its lazy views share it) whose `data_ptr()` is an address in a range no 
 unique, stable while the tensor lives, never dereferenced (any read of it goes through rgpu's
 dispatch, which refuses raw storages with a clear message). `data_ptr()` of a tensor is that
 address plus its offset, so `a.data_ptr() == b.data_ptr()` means what it means on CUDA.
+
+Unlike a CUDA storage, the storage object does not keep the server memory alive (it is cached per
+server storage for as long as that lives, and a reference back would keep both forever): hold a
+tensor. `t.set_(storage, ...)` over such a storage makes `t` view the server storage.
 """
 
 from __future__ import annotations
@@ -60,7 +64,38 @@ def _entry(t: Any) -> tuple[int, torch.UntypedStorage]:
         storage = torch._C._construct_storage_from_data_pointer(address, t.device, nbytes)
         entry = (address, storage)
         _storages[base] = entry
+        _owners[address] = weakref.ref(base, lambda _, a=address: _owners.pop(a, None))
     return entry
+
+
+# address -> the handle owning that storage: set_(storage) and torch.load find the server
+# storage a storage object stands for (addresses are never reused)
+_owners: dict[int, weakref.ref] = {}
+
+
+def owner(storage: torch.UntypedStorage) -> Any:
+    """The handle whose server storage `storage` stands for, or None (not one of ours)."""
+    if storage.device.type != "rgpu":
+        return None
+    try:
+        ref = _owners.get(storage.data_ptr())
+    except RuntimeError:  # a wrapper's own storage: it holds no memory and names no tensor
+        return None
+    return None if ref is None else ref()
+
+
+def standing_for(t: Any, keep: Any = None) -> torch.UntypedStorage:
+    """A new storage object at `t`'s storage address; it keeps `keep` alive while it lives
+    (torch.load: the uploaded bytes, until its tensors are rebuilt over them)."""
+    address, cached = _entry(t)
+    storage = torch._C._construct_storage_from_data_pointer(address, t.device, cached.nbytes())
+    if keep is not None:
+        weakref.finalize(storage, _held.pop, id(storage))
+        _held[id(storage)] = keep
+    return storage
+
+
+_held: dict[int, Any] = {}
 
 
 def untyped_storage(t: Any) -> torch.UntypedStorage:

@@ -365,6 +365,22 @@ def wrap_view(sess: Session, key: Key, of: Handle) -> RemoteTensor:
     return w
 
 
+def wrap_handle(h: Handle) -> RemoteTensor:
+    """A second wrapper over the server tensor of `h` (no new id: `h` frees it once)."""
+    dtype, shape, stride, offset, nbytes, flags = h.key
+    w = _make(
+        RemoteTensor,
+        shape,
+        strides=stride,
+        storage_offset=offset,
+        dtype=dtype,
+        device=DEVICES[h.dev] if h.dev else DEVICE,
+        storage_size=nbytes,
+    )
+    w._r = h
+    return w
+
+
 def wrap_with_id(sess: Session, key: Key, tid: int, dev: int = 0) -> RemoteTensor:
     w = wrap(sess, key, dev)
     w._r.id = tid

@@ -1,9 +1,11 @@
-"""`torch.load(f, map_location="rgpu")`: a clear error instead of a crashed process.
+"""`torch.load(f, map_location="rgpu")`: each storage of the checkpoint is uploaded once and its
+tensors are rebuilt as views of it, so tensors that shared a storage share it on rgpu too.
 
 PyTorch restores a storage on a PrivateUse1 device by copying into the storage of a fresh device
-tensor; an rgpu tensor's storage holds no memory (its data is on the server), so that copy
-killed the Python process (a segmentation fault, the notebook's kernel gone). Storages cannot be
-made on rgpu, so the checkpoint is loaded on the CPU and moved, which this error says how to do.
+tensor; an rgpu tensor's storage holds no memory here, so that copy killed the Python process (a
+segmentation fault). This deserializer, ahead of PyTorch's own, uploads the bytes instead and
+returns a storage that stands for the server's (`storage_ids`), over which `torch.load`'s
+`set_(storage, offset, size, stride)` rebuilds each tensor (`special_ops._set_storage`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 
+from . import storage_ids
+
 _LOCATION = re.compile(r"^rgpu(:\d+)?$")
 
 
@@ -21,14 +25,9 @@ def _restore(storage: Any, location: str) -> Any:
     """torch.serialization's deserializer, ahead of PyTorch's own for "rgpu" locations."""
     if not isinstance(location, str) or not _LOCATION.match(location):
         return None
-    raise RuntimeError(
-        f"torch.load cannot place a checkpoint's storages on {location!r} directly: rgpu "
-        "tensors have no local storage. Load on the CPU and move them, as one step: "
-        "`model.load_state_dict(torch.load(f, map_location='cpu'))` copies into rgpu "
-        "parameters, or `{k: v.to('rgpu') for k, v in torch.load(f, map_location='cpu').items()}`"
-        "; a file on the GPU host loads there, without passing through this machine, with "
-        "rgpu.files.load (torch.save files) or rgpu.files.load_file (safetensors)."
-    )
+    host = torch.empty(0, dtype=torch.uint8).set_(storage)  # the bytes as they are, no copy
+    uploaded = host.to(location)
+    return storage_ids.standing_for(uploaded, keep=uploaded)
 
 
 @functools.cache

@@ -217,21 +217,3 @@ def test_zero_tensors_from_autograd_do_not_crash_the_server(dev, session):
     z = torch._efficientzerotensor((3,), device=dev)
     assert torch.equal((z + 1).cpu(), torch.ones(3))
     assert session.info()["tensors"] >= 0
-
-
-@pytest.mark.parametrize("where", ["rgpu", "rgpu:0", {"cpu": "rgpu"}])
-def test_torch_load_onto_rgpu_is_a_clear_error_and_the_way_that_works_is_exact(dev, where):
-    # it was a segmentation fault: PyTorch copied into the memory of an rgpu tensor's storage
-    import io
-
-    lin = torch.nn.Linear(3, 2)
-    buf = io.BytesIO()
-    torch.save(lin.state_dict(), buf)
-    buf.seek(0)
-    with pytest.raises(RuntimeError, match=r"load_state_dict\(torch\.load\(f, map_location='cpu'"):
-        torch.load(buf, map_location=where)
-    buf.seek(0)
-    remote = torch.nn.Linear(3, 2).to(dev)
-    remote.load_state_dict(torch.load(buf, map_location="cpu"))
-    x = torch.randn(4, 3)
-    assert torch.equal(remote(x.to(dev)).cpu(), lin(x))

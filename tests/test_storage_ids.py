@@ -7,6 +7,8 @@ storage held no memory), so saving an rgpu model to the laptop failed where a CU
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -47,10 +49,12 @@ def test_storage_identity_follows_data_assignment_and_resize(session):
     assert r.untyped_storage().nbytes() == 400 != before
 
 
-def test_the_storage_cannot_be_read_as_host_memory(session):
-    s = torch.ones(4, device="rgpu").untyped_storage()
-    with pytest.raises(NotImplementedError, match="raw Storage"):
-        s.tolist()
+def test_reading_the_storage_downloads_it(session):
+    x = torch.tensor([1.0, -2.0, 3.5])
+    xr = x.to("rgpu")  # a storage does not keep its tensor's server memory alive: the tensor does
+    s = xr.untyped_storage()
+    assert s.tolist() == x.untyped_storage().tolist()
+    assert s.cpu().tolist() == x.untyped_storage().tolist()
 
 
 def test_safetensors_saves_an_rgpu_state_dict_as_the_cpu_one(session, tmp_path):
@@ -93,3 +97,55 @@ def test_save_pretrained_of_an_rgpu_model_writes_what_the_cpu_model_writes(sessi
     back = type(model).from_pretrained(tmp_path / "rgpu")
     ids = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(back(ids).logits, model.to("cpu")(ids).logits, rtol=0, atol=0)
+
+
+def test_set_onto_an_rgpu_storage_views_it_as_on_the_cpu(session):
+    a = torch.arange(12.0)
+    ar = a.to("rgpu")
+    t = torch.empty(0, dtype=torch.int32, device="rgpu")
+    t.set_(ar.untyped_storage(), 2, (2, 3), (3, 1))
+    expected = torch.empty(0, dtype=torch.int32).set_(a.untyped_storage(), 2, (2, 3), (3, 1))
+    assert torch.equal(t.cpu(), expected) and t.stride() == expected.stride()
+    assert t.untyped_storage().data_ptr() == ar.untyped_storage().data_ptr()
+    ar.add_(1)  # t views ar's storage: it sees the write
+    a.add_(1)
+    assert torch.equal(t.cpu(), expected)
+    whole = torch.empty(0, device="rgpu").set_(ar[3:].untyped_storage())
+    assert torch.equal(whole.cpu(), a)
+    with pytest.raises(NotImplementedError, match="not the storage of a live rgpu tensor"):
+        torch.empty(0, device="rgpu").set_(torch.ones(2).untyped_storage())
+
+
+@pytest.mark.parametrize("where", ["rgpu", "rgpu:0", {"cpu": "rgpu"}, torch.device("rgpu")])
+def test_torch_load_onto_rgpu_restores_values_layouts_and_sharing(session, where):
+    """It was a segmentation fault (PyTorch copied into an rgpu storage's memory), then a refusal.
+    Each storage is uploaded once; tensors that shared it on the CPU share it on rgpu."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 6)
+    saved = {
+        "w": w, "row": w[1], "t": w.t(), "h": torch.randn(3).half(),
+        "i": torch.arange(5), "b": torch.tensor([True, False]), "e": torch.empty(0),
+    }  # fmt: skip
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, map_location=where)
+    for k, v in loaded.items():
+        assert v.device.type == "rgpu", k
+        assert torch.equal(v.cpu(), saved[k]) and v.stride() == saved[k].stride(), k
+    assert loaded["w"].untyped_storage().data_ptr() == loaded["t"].untyped_storage().data_ptr()
+    loaded["w"].add_(1)
+    assert torch.equal(loaded["row"].cpu(), w[1] + 1)
+    assert torch.equal(loaded["t"].cpu(), (w + 1).t())
+
+
+def test_a_state_dict_loaded_onto_rgpu_gives_the_cpu_models_outputs(session):
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    buf = io.BytesIO()
+    torch.save(lin.state_dict(), buf)
+    buf.seek(0)
+    remote = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    remote.to("rgpu").load_state_dict(torch.load(buf, map_location="rgpu", weights_only=True))
+    x = torch.randn(4, 3)
+    assert torch.equal(remote(x.to("rgpu")).cpu(), lin(x))
