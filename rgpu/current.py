@@ -212,12 +212,21 @@ def _warm_up() -> None:
         return
 
     def work() -> None:
+        import _imp
+
         import torch
 
+        # Holding the interpreter's import lock makes another thread's imports wait for these
+        # rather than interleave with them: `torch.compile` right after `connect` imports
+        # Dynamo too, and the two half-done imports of its circular modules failed there
+        # (_DeadlockError, or "partially initialized module").
+        _imp.acquire_lock()
         try:
             torch.empty(2, device="meta").add(1).relu().sum()
         except Exception:
             pass
+        finally:
+            _imp.release_lock()
 
     thread = threading.Thread(target=work, name="rgpu-warm-up", daemon=True)
     _warming.append(thread)

@@ -286,6 +286,27 @@ def test_a_graph_the_server_cannot_compile_is_a_remote_error_and_the_session_goe
     assert (x + 1).sum().item() == 6.0
 
 
+def test_torch_compile_right_after_connect_imports_dynamo_cleanly():
+    """connect() warms up meta inference in a thread, which imports Dynamo; a torch.compile in
+    the user's thread at the same moment imported it too, and one of the two failed
+    (_DeadlockError, or "partially initialized module") in nearly every fresh process."""
+    code = """
+        import torch, rgpu
+        rgpu.connect("local")
+        f = torch.compile(lambda x: x * 2, backend="eager")
+        print(f(torch.ones(2)).tolist())
+    """
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip().splitlines()[-1] == "[2.0, 2.0]"
+
+
 def test_the_server_reuses_compiled_graphs_across_sessions_and_restarts(tmp_path, start_server):
     code = """
         import sys, torch, rgpu
