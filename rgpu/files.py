@@ -7,6 +7,12 @@ this process's working directory (named ``local``); a server rgpu starts over SS
 home (``home``). Only metadata crosses the link for `load_file`, `load`, `from_file`, `save_file`
 and `save`; `upload` and `download` move whole files, resumably, and skip a file the other side
 already has (same SHA-256).
+
+Loads land on the device named (`device=`, `map_location=`), else the current one, as torch.load
+and safetensors put tensors on the device they are given. With several servers
+(`rgpu.connect([A, B])`) a request goes to the server it concerns: a load to the server of its
+device, a save to the server holding its tensors, the rest (listdir, upload, ...) to the current
+device's server.
 """
 
 from __future__ import annotations
@@ -21,10 +27,9 @@ import torch
 
 from rgpu_protocol import MAX_TREE_TENSORS, Kind, tree
 
-from . import current as _cur
 from .errors import RemoteError, RgpuError
 from .progress import TransferProgress
-from .replies import ask, unpack_tensors
+from .replies import Session, ask, device_session, holder, unpack_tensors
 from .tensor import RemoteTensor, reserve_ids
 
 __all__ = [
@@ -58,28 +63,36 @@ class FileStat:
     is_dir: bool
 
 
-def _ask(msg: tuple) -> Any:
-    return ask(msg, FileError, "rgpu.files")
+def _ask(msg: tuple, sess: Session | None = None) -> Any:
+    """`msg` answered by `sess`, or by the current device's server."""
+    return ask(msg, FileError, "rgpu.files", sess=sess or device_session()[0])
 
 
-def _check_device(device: Any) -> None:
-    d = torch.device(device)
-    if d.type != "rgpu" or d.index not in (None, 0):
-        raise ValueError(f"rgpu.files loads onto the rgpu device, not {device!r}")
+def _device(device: Any) -> Any:
+    """`device` if it names an rgpu device ("rgpu" and None: the current one), else an error."""
+    if device is None or isinstance(device, int):
+        return device
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "rgpu":
+        return device
+    raise ValueError(
+        f"rgpu.files loads onto rgpu devices ('rgpu', 'rgpu:1', an index), not {device!r}"
+    )
 
 
-def _load(path: str, fmt: str, options: dict | None) -> tuple[Any, dict | None]:
+def _load(path: str, fmt: str, options: dict | None, device: Any = None) -> tuple[Any, dict | None]:
+    sess, index, local = device_session(_device(device))
     first = reserve_ids(MAX_TREE_TENSORS)
-    wire, metadata = _ask((Kind.LOAD, path, fmt, options, first))
-    return unpack_tensors(wire, first), metadata
+    wire, metadata = ask((Kind.LOAD, path, fmt, options, first), FileError, "rgpu.files",
+                         sess=sess, device=local)  # fmt: skip
+    return unpack_tensors(wire, first, sess, index), metadata
 
 
 def load_file(path: str, device: Any = "rgpu", *, dtype: torch.dtype | None = None) -> dict:
     """A safetensors file (or a sharded checkpoint's ``*.safetensors.index.json``) on the server,
-    as a dict of rgpu tensors (floating-point ones cast to `dtype` if given). One wait; no
-    tensor bytes cross the link."""
-    _check_device(device)
-    tensors, _ = _load(path, "safetensors", {"dtype": dtype} if dtype is not None else None)
+    as a dict of rgpu tensors on `device` ("rgpu": the current device; floating-point ones cast
+    to `dtype` if given). One wait; no tensor bytes cross the link."""
+    options = {"dtype": dtype} if dtype is not None else None
+    tensors, _ = _load(path, "safetensors", options, device)
     return tensors
 
 
@@ -89,10 +102,27 @@ def safetensors_metadata(path: str) -> dict[str, str] | None:
     return metadata
 
 
-def _on_rgpu(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and not isinstance(x, RemoteTensor):
-        return x.to("rgpu")  # uploaded once, then written on the server like the rest
-    return x
+def _save(obj: Any, path: str, fmt: str, metadata: dict[str, str] | None, what: str) -> int:
+    """SAVE to the server holding the tensors of `obj`; its CPU tensors are uploaded there
+    first (once, then written on the server like the rest)."""
+    sess, index = holder(obj, what)
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.layout != torch.strided:
+                raise TypeError(f"rgpu.files saves dense tensors, not {x.layout}")
+            x = x.detach()
+            return x if isinstance(x, RemoteTensor) else x.to(f"rgpu:{index}")
+        if x is None or type(x) in (bool, int, float, complex, str, bytes, torch.dtype):
+            return x
+        if isinstance(x, torch.device):
+            return str(x)
+        raise TypeError(
+            f"rgpu.files.save stores tensors, containers and plain values; {type(x).__name__} "
+            "is none of them (save its state_dict instead)"
+        )
+
+    return _ask((Kind.SAVE, path, fmt, tree.pack(obj, leaf), metadata), sess)
 
 
 def save_file(tensors: dict, path: str, metadata: dict[str, str] | None = None) -> int:
@@ -100,40 +130,23 @@ def save_file(tensors: dict, path: str, metadata: dict[str, str] | None = None) 
     are uploaded first; rgpu tensors never leave the server."""
     if not isinstance(tensors, dict) or not all(type(k) is str for k in tensors):
         raise TypeError("save_file takes a dict of str names to tensors")
-    wire = tree.pack({k: _on_rgpu(v) for k, v in tensors.items()}, _leaf_out)
-    return _ask((Kind.SAVE, path, "safetensors", wire, metadata))
-
-
-def _leaf_out(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided:
-            raise TypeError(f"rgpu.files saves dense tensors, not {x.layout}")
-        return _on_rgpu(x.detach())
-    if x is None or type(x) in (bool, int, float, complex, str, bytes, torch.dtype):
-        return x
-    if isinstance(x, torch.device):
-        return str(x)
-    raise TypeError(
-        f"rgpu.files.save stores tensors, containers and plain values; {type(x).__name__} is "
-        "none of them (save its state_dict instead)"
-    )
+    return _save(dict(tensors), path, "safetensors", metadata, "rgpu.files.save_file")
 
 
 def load(path: str, *, map_location: Any = None, weights_only: bool = True) -> Any:
     """A `torch.save` file on the server, read there under `torch.load(weights_only=True)`
-    rules, with its tensors on rgpu: nested state dicts, optimizer states. One wait."""
+    rules, with its tensors on `map_location` (an rgpu device; None or "rgpu": the current
+    one): nested state dicts, optimizer states. One wait."""
     if not weights_only:
         raise ValueError("rgpu.files.load reads with weights_only=True only: nothing is unpickled")
-    if map_location is not None:
-        _check_device(map_location)
-    obj, _ = _load(path, "torch", None)
+    obj, _ = _load(path, "torch", None, map_location)
     return obj
 
 
 def save(obj: Any, path: str) -> int:
     """`torch.save(obj)` written on the server (tensors stored as CPU tensors, so the file loads
     anywhere); the file's size. Only tensors, containers and plain values."""
-    return _ask((Kind.SAVE, path, "torch", tree.pack(obj, _leaf_out), None))
+    return _save(obj, path, "torch", None, "rgpu.files.save")
 
 
 def from_file(
@@ -223,7 +236,7 @@ def upload(local: str | os.PathLike, remote: str, *, progress: bool = True) -> i
 
 
 def _send_file(local: Path, remote: str, start: int, size: int, progress: bool) -> None:
-    sess = _cur.current()
+    sess = device_session()[0]
     bar = TransferProgress(size - start if progress else 0, f"rgpu upload {local.name}")
     try:
         if size == 0:
@@ -270,7 +283,7 @@ def download(remote: str, local: str | os.PathLike, *, progress: bool = True) ->
 
 
 def _receive_file(remote: str, partial: Path, start: int, size: int, progress: bool) -> None:
-    sess = _cur.current()
+    sess = device_session()[0]
     bar = TransferProgress(size - start if progress else 0, f"rgpu download {partial.name}")
     try:
         with open(partial, "r+b" if start else "wb") as f:

@@ -6,6 +6,8 @@ weights are loaded on the server (`rgpu.files.load_file`), and transformers' own
 the model on the meta device and puts those rgpu tensors in place (its `device_map` path), so
 tied weights, dtypes, key renames, non-persistent buffers and newly initialised heads are handled
 as transformers handles them. `save_pretrained` writes a fine-tuned model back, on the server.
+The model goes to one rgpu device (the current one, or `device_map`'s), and with several servers
+the folder is read on that device's server (and written on the server holding the model).
 
 Needs the optional extra: ``pip install jupyter-rgpu[hf]`` (transformers and accelerate).
 """
@@ -19,8 +21,10 @@ from typing import Any
 
 import torch
 
-from . import files
+from . import current as _cur
+from . import device_module, devices, files
 from .files import FileError
+from .replies import holder
 
 CONFIG_FILES = ("config.json", "generation_config.json")
 WEIGHTS = (
@@ -52,13 +56,39 @@ def _weights(path: str, names: list[str]) -> tuple[str, str]:
     )
 
 
+def _device_of(device_map: Any) -> int:
+    """The rgpu device index a `device_map` names: one device for the whole model."""
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if device_map is None or isinstance(device_map, int):
+        return devices.index_of(device_map)
+    if isinstance(device_map, (str, torch.device)):
+        try:
+            named = torch.device(device_map)
+        except RuntimeError:  # "auto", "balanced", ...
+            named = None
+        if named is not None and named.type == "rgpu":
+            return devices.index_of(named)
+    raise ValueError(
+        f"rgpu.hf.from_pretrained puts the whole model on one rgpu device: device_map=None (the "
+        f"current device), 'rgpu:1' or {{'': 'rgpu:1'}}, not {device_map!r}; split it across "
+        "devices afterwards with accelerate.dispatch_model"
+    )
+
+
 def from_pretrained(model_cls: Any, path: str, **kwargs: Any) -> Any:
     """`model_cls.from_pretrained(path, **kwargs)` with the folder and the weights on the rgpu
-    server and the model on rgpu. `model_cls` is a transformers model class or Auto class;
+    server and the model on rgpu: on the current device, or on the one `device_map` names
+    ("rgpu:1" or {"": "rgpu:1"}). `model_cls` is a transformers model class or Auto class;
     `dtype` (or `torch_dtype`, or "auto") and the other keyword arguments of transformers'
-    `from_pretrained` (except `device_map`) are passed on."""
-    if "device_map" in kwargs:
-        raise ValueError("rgpu.hf.from_pretrained puts the model on rgpu; drop device_map")
+    `from_pretrained` are passed on."""
+    _cur.current()  # connects first, if no one has yet, so that the devices are known
+    dev = _device_of(kwargs.pop("device_map", None))
+    with device_module.device(dev):  # the folder is read on that device's server
+        return _from_pretrained(model_cls, path, dev, kwargs)
+
+
+def _from_pretrained(model_cls: Any, path: str, dev: int, kwargs: dict) -> Any:
     names = files.listdir(path)
     if "config.json" not in names:
         raise FileError(f"{path!r} on the server has no config.json: is it a model folder?")
@@ -80,11 +110,16 @@ def from_pretrained(model_cls: Any, path: str, **kwargs: Any) -> Any:
             raise ValueError(
                 f"{model_cls.__name__} has no model for a {type(config).__name__}"
             ) from None
-    state = files.load_file(weights) if fmt == "safetensors" else files.load(weights)
+    state = (
+        files.load_file(weights, device=dev)
+        if fmt == "safetensors"
+        else files.load(weights, map_location=dev)
+    )
     # transformers builds the model on the meta device and puts these rgpu tensors in place
     model = model_cls.from_pretrained(
-        None, config=config, state_dict=state, device_map={"": "rgpu"}, use_kernels=False, **kwargs
-    )
+        None, config=config, state_dict=state, device_map={"": f"rgpu:{dev}"}, use_kernels=False,
+        **kwargs,
+    )  # fmt: skip
     if generation is not None and hasattr(model, "generation_config"):
         model.generation_config = generation
     return model
@@ -96,6 +131,13 @@ def save_pretrained(model: Any, path: str, *, safe_serialization: bool = True) -
     _require()
     if not safe_serialization:
         raise ValueError("rgpu.hf.save_pretrained writes safetensors only")
+    state = _untied_state(model)
+    _, dev = holder(state, "rgpu.hf.save_pretrained")
+    with device_module.device(dev):  # the folder goes to the server holding the model
+        _save_folder(model, state, path)
+
+
+def _save_folder(model: Any, state: dict[str, torch.Tensor], path: str) -> None:
     with tempfile.TemporaryDirectory(prefix="rgpu-hf-") as tmp:
         model.config.save_pretrained(tmp)
         generation = getattr(model, "generation_config", None)
@@ -105,7 +147,7 @@ def save_pretrained(model: Any, path: str, *, safe_serialization: bool = True) -
             local = Path(tmp) / name
             if local.exists():
                 files.upload(local, f"{path.rstrip('/')}/{name}", progress=False)
-    files.save_file(_untied_state(model), f"{path.rstrip('/')}/model.safetensors", {"format": "pt"})
+    files.save_file(state, f"{path.rstrip('/')}/model.safetensors", {"format": "pt"})
 
 
 def _untied_state(model: Any) -> dict[str, torch.Tensor]:

@@ -12,7 +12,9 @@ rgpu tensors are kept by reference: no bytes move either way, and an in-place ch
 keep (a training step) is what `kept` returns. Everything else — numbers, and CPU tensors such as
 an optimizer's step count — is recorded when `keep` is called: call it again after the steps you
 want to resume from (it is one small message). `durable=True` also writes the object to the
-server's disk, as it is then, so it survives a server restart.
+server's disk, as it is then, so it survives a server restart. Kept tensors come back on the
+device they were kept from. With several servers (`rgpu.connect([A, B])`) an object is kept by
+the server that holds its tensors (all on one server), and `kept` finds a name on any of them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from rgpu_protocol import MAX_TREE_TENSORS, Kind, tree
 
 from . import current as _cur
 from .errors import RgpuError
-from .replies import ask, unpack_tensors
+from .replies import Session, ask, holder, unpack_tensors
 from .tensor import RemoteTensor, reserve_ids
 
 __all__ = ["SessionEntry", "drop_session", "forget", "keep", "kept", "sessions"]
@@ -36,8 +38,31 @@ class KeepError(RgpuError):
     """A keep, kept, forget or drop the server refused (the message says why)."""
 
 
-def _ask(msg: tuple) -> Any:
-    return ask(msg, KeepError)
+def _ask(msg: tuple, sess: Session | None = None) -> Any:
+    return ask(msg, KeepError, sess=sess)
+
+
+_NOT_KEPT = "nothing is kept under"  # how the server starts the refusal of an unknown name
+
+
+def _each_session(msg: tuple, every: bool = False) -> list[tuple[Session, Any]]:
+    """(session, answer) of the first server (`every`: of each server) that knows the name
+    `msg` asks about, the current one first; a refusal other than "nothing is kept" is raised,
+    and so is the current session's when no server knows the name."""
+    answers: list[tuple[Session, Any]] = []
+    first: KeepError | None = None
+    for sess in _cur.sessions() or [_cur.current()]:
+        try:
+            answers.append((sess, _ask(msg, sess)))
+            if not every:
+                break
+        except KeepError as e:
+            if not str(e).startswith(_NOT_KEPT):
+                raise
+            first = first or e
+    if not answers and first is not None:
+        raise first
+    return answers
 
 
 def _state_of(obj: Any) -> Any:
@@ -71,21 +96,42 @@ def _leaf(x: Any) -> Any:
 def keep(name: str, obj: Any, *, durable: bool = False) -> int:
     """Mark `obj` to be found again by a later client of this named session; the bytes of rgpu
     tensors it holds (kept by reference: nothing is copied or sent)."""
-    return _ask((Kind.KEEP, name, tree.pack(_state_of(obj), _leaf), bool(durable)))
+    state = _state_of(obj)
+    sess, _ = holder(state, f"rgpu.keep({name!r})")
+    held = _ask((Kind.KEEP, name, tree.pack(state, _leaf), bool(durable)), sess)
+    for other in _cur.sessions():
+        if other is not sess:  # the name now means this object: no other server's is found
+            try:
+                _ask((Kind.FORGET, name), other)
+            except RgpuError:
+                pass  # it kept nothing under the name (or is lost: its state goes with it)
+    return held
 
 
 def kept(name: str | None = None) -> Any:
     """The object kept under `name`, its rgpu tensors bound to the server's tensors (no bytes
     move); without a name, the names this session keeps."""
     if name is None:
-        return _ask((Kind.KEPT, None, 0))
+        names = {
+            n for s in _cur.sessions() or [_cur.current()] for n in _ask((Kind.KEPT, None, 0), s)
+        }
+        return sorted(names)
     first = reserve_ids(MAX_TREE_TENSORS)
-    return unpack_tensors(_ask((Kind.KEPT, name, first)), first)
+    sess, reply = _each_session((Kind.KEPT, name, first))[0]
+    if type(reply) is list and len(reply) == 2 and not _is_tagged(reply):
+        wire, devices = reply  # each tensor's device index on its server
+        return unpack_tensors(wire, first, sess, devices=devices)
+    base = getattr(sess, "device_base", 0)  # an older server: the tree alone, on its device 0
+    return unpack_tensors(reply, first, sess, base)
+
+
+def _is_tagged(x: list) -> bool:
+    return type(x[0]) is str and x[0] in (tree.DICT, tree.LIST, tree.TUPLE)
 
 
 def forget(name: str) -> None:
     """Stop keeping `name` (and remove its copy on the server's disk)."""
-    _ask((Kind.FORGET, name))
+    _each_session((Kind.FORGET, name), every=True)
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,8 @@ SPECS: dict[int, MessageSpec] = {
               "bytes it holds", Field("name", (str,)), Field("tree", ANY),
               Field("durable", (bool,))),
         _spec(Kind.KEPT, True, "a kept tree, its tensors under ids from first_id on (reply: "
-              "the tree with tensor metadata); or, for a nil name, the kept names",
+              "[the tree with tensor metadata, each tensor's device index]); or, for a nil "
+              "name, the kept names",
               Field("name", (str, _NoneType)), Field("first_id", (int,))),
         _spec(Kind.FORGET, True, "drop a kept name (and its copy on disk)", Field("name", (str,))),
         _spec(Kind.SESSIONS, True, "reply: this token's sessions, as maps"),

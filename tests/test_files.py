@@ -324,3 +324,42 @@ def test_a_server_without_data_dirs_names_the_flag(server, tmp_path):
     rgpu.connect(server.url)
     _refused(lambda: rf.load_file("x.safetensors"), "no data directory.*--data-dir DIR")
     _refused(lambda: rf.listdir(""), "--data-dir")
+
+
+def test_loads_land_on_the_named_or_the_current_device(tmp_path, start_server):
+    srv = start_server("--virtual-devices", "2", "--data-dir", str(tmp_path))
+    rgpu.connect(srv.url)
+    x = torch.arange(6.0).reshape(2, 3)
+    st_save({"x": x}, tmp_path / "x.safetensors")
+    torch.save({"x": x, "n": 3}, tmp_path / "x.pt")
+    x.numpy().tofile(tmp_path / "x.bin")
+    one = torch.device("rgpu", 1)
+    named = [
+        rf.load_file("x.safetensors", device="rgpu:1")["x"],
+        rf.load_file("x.safetensors", device=one)["x"],
+        rf.load("x.pt", map_location="rgpu:1")["x"],
+        rf.load("x.pt", map_location=1)["x"],
+    ]
+    torch.rgpu.set_device(1)
+    try:
+        current = [
+            rf.load_file("x.safetensors")["x"],
+            rf.load("x.pt")["x"],
+            rf.load("x.pt", map_location="rgpu")["x"],
+            rf.from_file("x.bin", torch.float32, shape=(2, 3)),
+        ]
+    finally:
+        torch.rgpu.set_device(0)
+    for t in named + current:
+        assert t.device == one
+        assert torch.equal((t + torch.ones(3, device="rgpu:1")).cpu(), x + 1)
+    torch.rgpu.synchronize()
+    assert torch.rgpu.memory_allocated(0) == 0  # counted on the device they are on
+    assert torch.rgpu.memory_allocated(1) > 0
+    rf.save({"y": named[0] * 2}, "y.pt")
+    assert torch.equal(torch.load(tmp_path / "y.pt")["y"], x * 2)
+    with pytest.raises(ValueError, match="onto rgpu devices"):
+        rf.load("x.pt", map_location="cpu")
+    with pytest.raises(rgpu.NoSuchDevice, match="rgpu:5 does not exist"):
+        rf.load_file("x.safetensors", device="rgpu:5")
+    assert rf.load_file("x.safetensors")["x"].device == torch.device("rgpu", 0)

@@ -153,3 +153,23 @@ def test_a_missing_folder_or_weights_are_clear_errors(session):
     with pytest.raises(rf.FileError, match="not in this server's Hugging Face cache"):
         rh.from_pretrained(transformers.AutoModelForCausalLM, "hub:nobody/nothing")
     assert (torch.ones(2, device="rgpu") * 3).sum().item() == 6.0
+
+
+def test_a_model_loads_onto_the_current_device_or_device_maps(models, start_server):
+    _, data = models
+    srv = start_server("--virtual-devices", "2", "--data-dir", str(data))
+    rgpu.connect(srv.url)
+    cpu = transformers.AutoModelForCausalLM.from_pretrained(data / "gpt2")
+    auto = transformers.AutoModelForCausalLM
+    mapped = rh.from_pretrained(auto, "gpt2", device_map={"": "rgpu:1"})
+    torch.rgpu.set_device(1)
+    try:
+        current = rh.from_pretrained(auto, "gpt2")
+    finally:
+        torch.rgpu.set_device(0)
+    for model in (mapped, current):
+        assert {p.device for p in model.parameters()} == {torch.device("rgpu", 1)}
+        with torch.no_grad():
+            assert torch.equal(model(IDS.to("rgpu:1")).logits.cpu(), cpu(IDS).logits)
+    with pytest.raises(ValueError, match="one rgpu device"):
+        rh.from_pretrained(auto, "gpt2", device_map="auto")

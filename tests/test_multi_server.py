@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from rgpu_test_servers import ServerProcess
+from safetensors.torch import load_file as st_load
 
 import rgpu
+import rgpu.files as rf
 
 
 @pytest.fixture
@@ -145,3 +147,54 @@ def test_generate_on_the_second_servers_device_equals_the_cpu(two):
     got = model.generate(prompt.to("rgpu:2"), **kwargs)
     assert torch.equal(got.cpu(), expected)
     assert torch.equal(torch.randn(4, device="rgpu:2").cpu(), after)
+
+
+def test_keep_and_save_go_to_the_server_holding_the_tensors(tmp_path):
+    data_a, data_b = tmp_path / "a", tmp_path / "b"
+    data_a.mkdir()
+    data_b.mkdir()
+    a = ServerProcess("--virtual-devices", "2", "--data-dir", str(data_a))
+    b = ServerProcess("--data-dir", str(data_b))
+    try:
+        rgpu.connect([a.url, b.url], session="both")
+        x = torch.full((3,), 1.0, device="rgpu:1")
+        y = torch.full((3,), 2.0, device="rgpu:2")  # on server B
+        assert rgpu.keep("y", {"y": y, "step": torch.tensor(3)}) == 12
+        rgpu.keep("x", x)
+        rgpu.keep("moved", x)
+        rgpu.keep("moved", y)  # the name now means y, on the other server
+        assert rgpu.kept() == ["moved", "x", "y"]
+        assert rf.save({"y": y, "cpu": torch.ones(2)}, "y.pt") > 0
+        assert rf.save_file({"y": y, "cpu": torch.ones(2)}, "y.safetensors") > 0
+        assert not list(data_a.iterdir())
+        assert torch.equal(torch.load(data_b / "y.pt")["y"], torch.full((3,), 2.0))
+        assert torch.equal(st_load(data_b / "y.safetensors")["cpu"], torch.ones(2))
+        loaded = rf.load("y.pt", map_location="rgpu:2")["y"]  # read on server B
+        assert loaded.device == torch.device("rgpu", 2)
+        assert torch.equal((loaded + y).cpu(), torch.full((3,), 4.0))
+        for call in (
+            lambda: rgpu.keep("both", [x, y]),
+            lambda: rf.save({"x": x, "y": y}, "xy.pt"),
+            lambda: rf.save_file({"x": x, "y": y}, "xy.safetensors"),
+        ):
+            with pytest.raises(ValueError, match="tensors of two rgpu servers.*rgpu:1.*rgpu:2"):
+                call()
+        assert not list(data_a.iterdir()) and sorted(p.name for p in data_b.iterdir()) == [
+            "y.pt",
+            "y.safetensors",
+        ]
+        rgpu.disconnect()  # both named sessions stay for a later client
+        rgpu.connect([a.url, b.url], session="both")
+        kept_y, kept_x, moved = rgpu.kept("y"), rgpu.kept("x"), rgpu.kept("moved")
+        assert kept_y["y"].device == torch.device("rgpu", 2) and kept_y["step"].item() == 3
+        assert kept_x.device == torch.device("rgpu", 1)
+        assert moved.device == torch.device("rgpu", 2)
+        assert torch.equal((kept_y["y"] * moved).cpu(), torch.full((3,), 4.0))
+        assert torch.equal(kept_x.cpu(), torch.ones(3))
+        rgpu.forget("moved")
+        assert rgpu.kept() == ["x", "y"]
+        rgpu.disconnect(drop=True)
+    finally:
+        rgpu.disconnect()
+        a.stop()
+        b.stop()

@@ -301,3 +301,53 @@ def test_drop_session_ends_another_clients_session(own_server):
     finally:
         holder.kill()
         holder.wait()
+
+
+KEEP_ON_DEVICE_1 = """
+import json, sys, torch, rgpu
+rgpu.connect(sys.argv[1], session="dev1")
+x = torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024).to("rgpu:1")  # 1 MiB
+m = torch.nn.Linear(4, 2).to("rgpu:1")
+rgpu.keep("x", x, durable=len(sys.argv) > 2)
+rgpu.keep("m", m, durable=len(sys.argv) > 2)
+print(json.dumps(m.weight.tolist()), flush=True)
+rgpu.disconnect()
+"""
+
+
+def _attach_on_device_1(url: str, weight: list, m_device: int = 1) -> None:
+    """Kept tensors come back on the device they were kept from, counted there."""
+    rgpu.connect(url, session="dev1")
+    x, m = rgpu.kept("x"), rgpu.kept("m")
+    assert x.device == torch.device("rgpu", 1)
+    assert {t.device for t in m.values()} == {torch.device("rgpu", m_device)}
+    assert torch.equal(x.cpu(), torch.arange(256 * 1024, dtype=torch.float32).reshape(256, 1024))
+    assert m["weight"].cpu().tolist() == weight
+    assert x.to("rgpu:1") is x
+    torch.rgpu.synchronize()
+    m_bytes = sum(t.untyped_storage().nbytes() for t in m.values())
+    on_1 = (1 << 20) + (m_bytes if m_device == 1 else 0)
+    assert torch.rgpu.memory_allocated(1) == on_1
+    assert torch.rgpu.memory_allocated(0) == (m_bytes if m_device == 0 else 0)
+    with pytest.raises(RuntimeError, match="same device"):
+        x + torch.ones(1024, device="rgpu:0")
+    rgpu.disconnect(drop=True)
+
+
+def test_tensors_kept_from_a_device_come_back_on_it(own_server):
+    srv = own_server("--virtual-devices", "2")
+    first = _run(KEEP_ON_DEVICE_1, srv.url)
+    _attach_on_device_1(srv.url, _first_line(first))
+
+
+def test_durable_tensors_come_back_on_their_device_after_a_restart(own_server, tmp_path):
+    state = tmp_path / "state"
+    srv = own_server("--virtual-devices", "2", "--state-dir", str(state))
+    weight = _first_line(_run(KEEP_ON_DEVICE_1, srv.url, "durable"))
+    srv.stop()
+    srv = own_server("--virtual-devices", "2", "--state-dir", str(state))
+    assert "restored 1 named session(s)" in srv.wait_log("restored")
+    # a store written before devices were recorded: its tensors are restored onto device 0
+    (m_devices,) = [p for p in state.rglob("devices.msgpack") if p.parent.name == "m"]
+    m_devices.unlink()
+    _attach_on_device_1(srv.url, weight, m_device=0)

@@ -2,8 +2,10 @@
 a named session's kept state survives a server restart.
 
 Layout: ``STATE_DIR/OWNER/SESSION/KEPT/`` holds ``tree.msgpack`` (the kept object's structure,
-tensors as indices) and ``tensors.pt`` (its tensors, written with `torch.save` and read back with
-`weights_only=True`, memory-mapped); ``STATE_DIR/OWNER/SESSION/rng.bin`` is the session's
+tensors as indices), ``tensors.pt`` (its tensors, written with `torch.save` and read back with
+`weights_only=True`, memory-mapped) and ``devices.msgpack`` (each tensor's device index, so it is
+restored onto that device; a folder written before it existed, or an index the restarted server
+no longer has, means device 0); ``STATE_DIR/OWNER/SESSION/rng.bin`` is the session's
 generator state at the last durable keep. OWNER is a hash of the token, so a server started with
 another token sees none of it. Writes go to a temporary folder renamed into place.
 """
@@ -23,6 +25,7 @@ from rgpu_protocol.handshake import valid_session_name
 
 TREE = "tree.msgpack"
 TENSORS = "tensors.pt"
+DEVICES = "devices.msgpack"
 RNG = "rng.bin"
 _ENCODE = Encoder().encode
 _READ_LIMITS = Limits(max_message=1 << 30, max_list=1 << 22)
@@ -38,9 +41,17 @@ class DurableStore:
         return folder / kept if kept is not None else folder
 
     def write(
-        self, owner: str, session: str, kept: str, wire: Any, tensors: list, rng: torch.Tensor
+        self,
+        owner: str,
+        session: str,
+        kept: str,
+        wire: Any,
+        tensors: list,
+        devices: list[int],
+        rng: torch.Tensor,
     ) -> None:
-        """Keep (wire, tensors) on disk under the names; replaces what was there."""
+        """Keep (wire, tensors, their device indices) on disk under the names; replaces what was
+        there."""
         folder = self._folder(owner, session, kept)
         partial = folder.with_name(f".{kept}.partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -48,18 +59,33 @@ class DurableStore:
         (partial / TREE).write_bytes(_ENCODE(wire))
         host = {str(i): t.detach().cpu().contiguous() for i, t in enumerate(tensors)}
         torch.save(host, partial / TENSORS)
+        (partial / DEVICES).write_bytes(_ENCODE(list(devices)))
         rng_partial = folder.parent / f".{RNG}.partial"
         rng_partial.write_bytes(bytes(rng.numpy().tobytes()))
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
         rng_partial.rename(folder.parent / RNG)
 
-    def read(self, owner: str, session: str, kept: str, device: torch.device) -> tuple[Any, list]:
+    def read(
+        self, owner: str, session: str, kept: str, devices: tuple[torch.device, ...]
+    ) -> tuple[Any, list, list[int]]:
+        """(wire, tensors, device indices) of a kept object, each tensor on its device."""
         folder = self._folder(owner, session, kept)
         wire = unpack_one((folder / TREE).read_bytes(), _READ_LIMITS)
         host = torch.load(folder / TENSORS, weights_only=True, mmap=True)
         tensors = [host[str(i)] for i in range(len(host))]
-        return wire, [t.to(device) if device.type != "cpu" else t for t in tensors]
+        recorded = []
+        if (folder / DEVICES).exists():
+            recorded = unpack_one((folder / DEVICES).read_bytes(), _READ_LIMITS)
+        indices = [
+            i if type(i) is int and 0 <= i < len(devices) else 0
+            for i in (recorded if len(recorded) == len(tensors) else [0] * len(tensors))
+        ]  # fmt: skip
+        moved = [
+            t.to(devices[i]) if devices[i].type != "cpu" else t
+            for t, i in zip(tensors, indices, strict=True)
+        ]  # fmt: skip
+        return wire, moved, indices
 
     def rng(self, owner: str, session: str) -> torch.Tensor | None:
         path = self._folder(owner, session) / RNG

@@ -2,9 +2,11 @@
 
 A kept object is its tree (rgpu_protocol.tree) with each tensor replaced by a placeholder, and
 the session's tensors themselves, held by reference: a later in-place change (a training step) is
-what the next client finds. Values that were CPU tensors on the client (an optimizer's step
-count) are stored as their bytes, as they were when kept. `durable` also writes the object to the
-state directory (durable.py), as it is at that moment.
+what the next client finds. Each tensor's device index is kept with it, so that KEPT gives it
+back on that device (virtual devices cannot be told apart by the tensor itself). Values that were
+CPU tensors on the client (an optimizer's step count) are stored as their bytes, as they were
+when kept. `durable` also writes the object to the state directory (durable.py), as it is at
+that moment.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from rgpu_protocol import HostData, ProtocolError, Status, TensorMeta, byte_view, tree
 from rgpu_protocol.handshake import NAME_RULE, valid_session_name
 
+from . import multidevice
 from .poison import Poison
 from .state import SessionState
 
@@ -28,6 +31,7 @@ MAX_KEPT = 256  # names one session keeps
 class Kept:
     wire: Any  # the tree; a TensorMeta leaf stands for the next of `tensors`
     tensors: list = field(default_factory=list)
+    devices: list[int] = field(default_factory=list)  # the device index of each tensor
     durable: bool = False
     on_disk_only: bool = False  # restored after a server restart: read when first asked for
 
@@ -64,11 +68,14 @@ def keep(s: SessionState, seq: int, msg: list) -> None:
         _error(s, seq, "keep", "durable=True needs a server started with --state-dir DIR")
         return
     tensors: list[torch.Tensor] = []
+    devices: list[int] = []
 
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            if id(x) in s.refs:  # a tensor of this session: kept by reference
+            tid = s.refs.get(id(x))
+            if tid is not None:  # a tensor of this session: kept by reference
                 tensors.append(x)
+                devices.append(multidevice.index_of_tensor(s, x, tid))
                 return _meta(x)
             t = x.detach().contiguous()  # a CPU value of the client's: kept as it is now
             return HostData(t.dtype, tuple(t.shape), bytes(byte_view(t)))
@@ -77,7 +84,7 @@ def keep(s: SessionState, seq: int, msg: list) -> None:
         raise ProtocolError(f"a kept tree leaf of type {type(x).__name__}")
 
     stored = tree.map_leaves(wire, leaf)
-    kept = Kept(stored, tensors, durable)
+    kept = Kept(stored, tensors, devices, durable)
     previous = s.kept.get(name)
     s.kept[name] = kept
     registry = s.registry
@@ -93,7 +100,7 @@ def keep(s: SessionState, seq: int, msg: list) -> None:
                    "free tensors, or forget what you no longer need")  # fmt: skip
             return
     if durable:
-        s.store.write(s.owner, s.name, name, stored, tensors, s.generator.get_state())
+        s.store.write(s.owner, s.name, name, stored, tensors, devices, s.generator.get_state())
     s.reply(seq, Status.OK, sum(t.untyped_storage().nbytes() for t in tensors))
 
 
@@ -112,17 +119,19 @@ def kept(s: SessionState, seq: int, msg: list) -> None:
         )
         return
     if entry.on_disk_only:
-        entry.wire, entry.tensors = s.store.read(s.owner, s.name, name, s.device)
+        entry.wire, entry.tensors, entry.devices = s.store.read(s.owner, s.name, name, s.devices)
         entry.on_disk_only = False
-    tensors = iter(entry.tensors)
+    tensors = iter(zip(entry.tensors, entry.devices, strict=True))
     ids: list[int] = []
+    devices: list[int] = []
 
     def leaf(x: Any) -> Any:
         if type(x) is TensorMeta:
-            t = next(tensors)
+            t, index = next(tensors)
             tid = first_id + len(ids)
-            s.tensors[tid] = t
+            multidevice.store(s, tid, t, index)
             ids.append(tid)
+            devices.append(index)
             return _meta(t)
         return x
 
@@ -132,7 +141,7 @@ def kept(s: SessionState, seq: int, msg: list) -> None:
             s.tensors.pop(tid, None)
         _error(s, seq, "kept", s.quota.message())
         return
-    s.reply(seq, Status.OK, wire)
+    s.reply(seq, Status.OK, [wire, devices])
 
 
 def forget(s: SessionState, seq: int, msg: list) -> None:

@@ -90,6 +90,11 @@ class DeviceTable(dict):
         dict.clear(self)
         self.where.clear()
 
+    def put(self, key: int, value: Any, index: int) -> None:
+        """Store `value` as on device `index`, whatever the current device is."""
+        dict.__setitem__(self, key, value)
+        self.where[key] = index
+
 
 def setup(s: Any, devices: tuple[torch.device, ...]) -> None:
     """Give a new session the server's devices: a generator each, and a `DeviceTable` when
@@ -156,6 +161,26 @@ def index_of(s: Any, name: str) -> torch.device:
     if not 0 <= index < len(s.devices):
         raise ProtocolError(f"no device {name}: this server has {len(s.devices)}")
     return s.devices[index]
+
+
+def index_of_tensor(s: Any, t: torch.Tensor, tid: int) -> int:
+    """The index of the device the session's tensor `tid` is on (KEEP remembers it)."""
+    table = s.tensors
+    if type(table) is DeviceTable:
+        return table.where.get(tid, 0)
+    for i, d in enumerate(s.devices):
+        if t.device == d:
+            return i
+    return 0
+
+
+def store(s: Any, tid: int, t: torch.Tensor, index: int) -> None:
+    """Store a tensor (a kept one given back by KEPT) as on device `index`, not the current."""
+    table = s.tensors
+    if type(table) is DeviceTable:
+        table.put(tid, t, index)
+    else:
+        table[tid] = t
 
 
 def memory_by_device(s: Any) -> list[int]:

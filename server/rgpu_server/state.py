@@ -177,7 +177,7 @@ class SessionState:
                 seen[st.data_ptr() or id(st)] = st.nbytes()
         for kept in list(self.kept.values()):
             for t in kept.tensors:
-                if t.device == self.device:
+                if t.device.type == self.device.type:  # kept on any of its devices
                     st = t.untyped_storage()
                     seen[st.data_ptr() or id(st)] = st.nbytes()
         return count, sum(seen.values())
