@@ -20,6 +20,7 @@ from . import (
     accelerator,
     attention,
     autocast,
+    backward_errors,
     compile,
     device_module,
     dispatch,
@@ -96,6 +97,7 @@ def register() -> None:
     host_memory.install()
     distributed.install()
     torch_load.install()
+    backward_errors.install()
     accelerator.install()
     attention.install(lib, plans.COMPOSITE)
     whole_ops.install(lib, plans.COMPOSITE)

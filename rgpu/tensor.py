@@ -17,7 +17,7 @@ import msgpack
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from rgpu import storage_ids
+from rgpu import backward_errors, storage_ids
 from rgpu_protocol import EXT_REF, ref_ext, storage_span, view_ext
 
 _new_ext = tuple.__new__
@@ -139,7 +139,18 @@ class RemoteTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs)
+        try:
+            return _dispatch(func, args, kwargs)
+        except Exception as e:
+            if not backward_errors.in_backward() or backward_errors.nested(_DISPATCH_CODE):
+                raise
+            return backward_errors.placeholder(e, func)  # a raise here would abort the process
+
+    def register_hook(self, hook: Callable) -> Any:
+        return super().register_hook(backward_errors.guarded(hook))
+
+    def register_post_accumulate_grad_hook(self, hook: Callable) -> Any:
+        return super().register_post_accumulate_grad_hook(backward_errors.guarded(hook))
 
     @property
     def _rgpu_meta(self) -> torch.Tensor:
@@ -274,6 +285,7 @@ class RemoteTensor(torch.Tensor):
 
 
 _make = torch.Tensor._make_wrapper_subclass
+_DISPATCH_CODE = RemoteTensor.__torch_dispatch__.__func__.__code__
 DEVICE: torch.device | None = None  # torch.device("rgpu", 0), set once the device is registered
 DEVICES: list[torch.device] = []  # torch.device("rgpu", i) per device index (rgpu.devices)
 

@@ -1,0 +1,167 @@
+"""An error during backward on rgpu tensors reaches `.backward()` / `autograd.grad()`, as on the
+CPU, instead of killing the process.
+
+PyTorch runs a Python backend's device guard as Python code. When a tensor hook or an rgpu op
+raises inside the autograd engine, the engine unwinds with the Python error still pending (it
+saves it only later), and the stream guard it unwinds through calls that Python guard: the call
+fails inside a `noexcept` destructor and `std::terminate` aborts the process (the notebook's
+kernel dies; "terminate called without an active exception"). Errors PyTorch raises in C++ (a
+gradient of the wrong shape) unwind cleanly.
+
+So no Python exception leaves a hook or an op while backward runs: the exception is recorded, a
+failing hook leaves its gradient as it was, and a failing op returns empty placeholders (the
+engine then stops on its own C++ shape check, or finishes). `backward()` and `grad()` raise the
+first recorded exception, with its traceback, once the engine returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_graph_task_id = torch._C._current_graph_task_id
+_recorded: list[BaseException] = []
+_lock = threading.Lock()
+_installed: list[bool] = []
+
+
+def in_backward() -> bool:
+    return _graph_task_id() != -1
+
+
+def nested(code: Any) -> bool:
+    """True when an outer frame runs `code` (rgpu's dispatch): an op rgpu runs while
+    dispatching another raises to its caller, which may handle it."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # the dispatch is the thread's first Python frame (autograd's threads)
+        return False
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def record(e: BaseException) -> None:
+    with _lock:
+        if not _recorded:
+            _recorded.append(e)
+
+
+def _take() -> BaseException | None:
+    with _lock:
+        e = _recorded[0] if _recorded else None
+        _recorded.clear()
+    return e
+
+
+def placeholder(e: BaseException, func: Any) -> Any:
+    """What a failing op returns inside backward: empty rgpu tensors in the shape of its
+    returns (the exception is recorded); ops returning anything else re-raise."""
+    outs: list[Any] = []
+    for ret in func._schema.returns:
+        kind = str(ret.type)
+        if kind.startswith("Tensor") and not kind.startswith("Tensor["):
+            outs.append(torch.empty(0, device="rgpu"))
+        elif kind.startswith("Tensor[]") or kind.startswith("List[Tensor]"):
+            outs.append([])
+        else:
+            raise e
+    record(e)
+    if len(outs) == 1:
+        return outs[0]
+    return tuple(outs)
+
+
+def guarded(hook: Callable) -> Callable:
+    """A tensor hook that records its exception (or a wrong return) instead of raising it."""
+
+    @functools.wraps(hook)
+    def run(*args: Any) -> Any:
+        try:
+            out = hook(*args)
+        except BaseException as e:
+            record(e)
+            return None
+        if out is not None and not isinstance(out, torch.Tensor):
+            record(TypeError(f"expected Variable, but hook returned '{type(out).__name__}'"))
+            return None
+        return out
+
+    return run
+
+
+def _on_rgpu(args: Any) -> bool:
+    return any(
+        type(x) is not torch.Tensor and isinstance(x, torch.Tensor) and x.device.type == "rgpu"
+        for x in torch.utils._pytree.tree_leaves(args)
+    )
+
+
+def _guarded_module_hook(hook: Callable) -> Callable:
+    """A module's backward hook (run from a hook on an autograd node, which cannot be wrapped
+    when registered): on rgpu gradients, its exception is recorded instead of raised."""
+
+    @functools.wraps(hook)
+    def run(*args: Any) -> Any:
+        try:
+            return hook(*args)
+        except BaseException as e:
+            if not _on_rgpu(args[1:]):
+                raise
+            record(e)
+            return None
+
+    return run
+
+
+def _raising_recorded(run_backward: Callable) -> Callable:
+    @functools.wraps(run_backward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _take()  # nothing left over from an earlier backward
+        try:
+            out = run_backward(*args, **kwargs)
+        except Exception:
+            e = _take()
+            if e is None:
+                raise
+            raise e.with_traceback(e.__traceback__) from None
+        e = _take()
+        if e is not None:
+            raise e.with_traceback(e.__traceback__)
+        return out
+
+    return run
+
+
+def install() -> None:
+    """Route torch.autograd.backward / grad (and Tensor.backward) through the check, and guard
+    modules' backward hooks."""
+    if _installed:
+        return
+    import torch.autograd as autograd
+    import torch.autograd.graph as graph
+    import torch.utils.hooks as hooks
+
+    wrapped = _raising_recorded(graph._engine_run_backward)
+    graph._engine_run_backward = wrapped
+    autograd._engine_run_backward = wrapped
+    init = hooks.BackwardHook.__init__
+
+    @functools.wraps(init)
+    def backward_hook_init(self: Any, module: Any, user_hooks: list, user_pre_hooks: list) -> None:
+        init(
+            self,
+            module,
+            [_guarded_module_hook(h) for h in user_hooks],
+            [_guarded_module_hook(h) for h in user_pre_hooks],
+        )
+
+    hooks.BackwardHook.__init__ = backward_hook_init
+    _installed.append(True)
