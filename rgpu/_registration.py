@@ -23,6 +23,7 @@ from . import (
     backward_errors,
     compile,
     device_module,
+    device_paths,
     dispatch,
     distributed,
     host_memory,
@@ -101,6 +102,7 @@ def register() -> None:
     accelerator.install()
     attention.install(lib, plans.COMPOSITE)
     whole_ops.install(lib, plans.COMPOSITE)
+    device_paths.install(lib, plans.COMPOSITE)
     # the default optimizers only take their fast foreach path for tensor types listed here
     import torch.optim.optimizer as _opt
 

@@ -695,3 +695,21 @@ def test_samplers_with_transposed_parameters_keep_each_elements_parameters(dev):
                                mean.T[1], atol=1e-3, rtol=0)  # fmt: skip
     for sample in (torch.poisson, torch._standard_gamma):
         assert sample((mean + 1).to(dev).T).stride() == sample((mean + 1).T).stride()
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_one_hot_of_a_transposed_index_is_laid_out_as_on_the_cpu(dev, inference):
+    """PyTorch's one_hot takes a functional path for subclass tensors whose output follows the
+    index's layout: strides (5, 10, 1) where the CPU's are (20, 5, 1), so `.view(-1, 5)` raised
+    and `as_strided` reads differed."""
+    idx = torch.tensor([[0, 3, 1, 4], [2, 2, 0, 1]])
+    index = idx.T.contiguous().T
+    with torch.inference_mode(inference):
+        expected = torch.nn.functional.one_hot(index, 5)
+        got = torch.nn.functional.one_hot(index.to(dev), 5)
+        inferred = torch.nn.functional.one_hot(index.to(dev))
+    assert got.stride() == expected.stride() and torch.equal(got.cpu(), expected)
+    assert torch.equal(got.view(-1, 5).cpu(), expected.view(-1, 5))
+    assert torch.equal(inferred.cpu(), expected)
+    with pytest.raises(RuntimeError, match="LongTensor"):
+        torch.nn.functional.one_hot(index.to(dev).int(), 5)
