@@ -74,6 +74,8 @@ def run_meta(func, args: tuple, kwargs: dict, device: str) -> Any:
             out = in_place_meta.via_functional(func, args, kwargs)
         elif dtype_meta.predicts(func, args, kwargs):
             out = dtype_meta.run(func, args, kwargs)
+        elif func is _VIEW_COPY:  # its meta kernel refuses what the device copies via reshape
+            out = args[0].reshape(args[1]).clone(memory_format=torch.contiguous_format)
         else:
             out = func(*args, **kwargs)
     finally:
@@ -101,6 +103,8 @@ def _predicted(func, args: tuple, kwargs: dict, device: str) -> Any:
     """`run_meta`, or None for an op whose layout only the server knows (`out_meta`'s callback)."""
     return None if must_ask_server(func, args) else run_meta(func, args, kwargs, device)
 
+
+_VIEW_COPY = torch.ops.aten.view_copy.default
 
 # Ops every rgpu server runs with CUDA's semantics, whatever its device (server/kernels.py): their
 # meta kernels must not refuse what only the CPU kernel refuses.

@@ -713,3 +713,14 @@ def test_one_hot_of_a_transposed_index_is_laid_out_as_on_the_cpu(dev, inference)
     assert torch.equal(inferred.cpu(), expected)
     with pytest.raises(RuntimeError, match="LongTensor"):
         torch.nn.functional.one_hot(index.to(dev).int(), 5)
+
+
+def test_view_copy_of_a_tensor_that_cannot_be_viewed_copies_as_on_the_cpu(dev):
+    """The meta kernel of view_copy refuses a size the input cannot be viewed as; the CPU's (and
+    CUDA's) copies through reshape."""
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    for make in (lambda t: t.transpose(0, 2), lambda t: t[:, ::2], lambda t: t):
+        for size in ((-1,), (4, -1)):
+            expected = torch.view_copy(make(x), size)
+            got = torch.view_copy(make(x.to(dev)), size)
+            assert got.stride() == expected.stride() and torch.equal(got.cpu(), expected)
