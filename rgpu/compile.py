@@ -338,8 +338,8 @@ def compile_backend(compiler: str = "inductor", mode: str | None = None) -> Any:
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
         if unseen_aliasing(gm, example_inputs):
             _warn_once(
-                "it writes an input that shares its storage with another input without being "
-                "its view (x and x.detach())"
+                "two of its inputs share a storage without being views of one another (x and "
+                "x.detach()), which the compiled graph would not see"
             )
             return gm
         try:

@@ -17,8 +17,17 @@ import msgpack
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from rgpu import backward_errors, storage_ids
-from rgpu_protocol import EXT_REF, ref_ext, storage_span, view_ext
+from rgpu_protocol import EXT_REF, ref_ext, view_ext
+
+from . import backward_errors, storage_ids
+from .keys import (  # noqa: F401  (re-exported: the layout keys are used with the wrappers)
+    check_copy_fits,
+    is_dense_key,
+    key_of_meta,
+    key_of_tensor_meta,
+    meta_of_key,
+    new_storage_key,
+)
 
 _new_ext = tuple.__new__
 _DATA = torch._C.TensorBase.data  # the C getter and setter behind `Tensor.data`
@@ -290,19 +299,6 @@ DEVICE: torch.device | None = None  # torch.device("rgpu", 0), set once the devi
 DEVICES: list[torch.device] = []  # torch.device("rgpu", i) per device index (rgpu.devices)
 
 
-def is_dense_key(key: Key) -> bool:
-    """True when `key` is what a fresh contiguous tensor of its shape and dtype has (strides,
-    offset 0, exactly its bytes, no conj/neg bit): `wrap_dense` can then leave them implicit."""
-    dtype, shape, stride, offset, nbytes, flags = key
-    if offset or flags:
-        return False
-    try:
-        m = torch.empty(shape, dtype=dtype, device="meta")
-    except RuntimeError:  # a dtype the meta device refuses: the general wrapper will do
-        return False
-    return m.stride() == stride and m.untyped_storage().nbytes() == nbytes
-
-
 def wrap_dense(sess: Session, key: Key, dev: int = 0) -> RemoteTensor:
     """`wrap` for a key `is_dense_key` accepted: PyTorch derives the strides, offset and storage
     size itself, ~1 us less per wrapper (the most common output of all)."""
@@ -400,32 +396,6 @@ def wrap_with_id(sess: Session, key: Key, tid: int, dev: int = 0) -> RemoteTenso
     return w
 
 
-def key_of_meta(m: torch.Tensor) -> Key:
-    """The metadata key of a meta (or any) tensor."""
-    flags = (1 if m.is_conj() else 0) | (2 if m.is_neg() else 0)
-    return (
-        m.dtype,
-        tuple(m.shape),
-        m.stride(),
-        m.storage_offset(),
-        m.untyped_storage().nbytes(),
-        flags,
-    )
-
-
-def meta_of_key(key: Key) -> torch.Tensor:
-    """A fresh meta tensor with exactly this layout, over a storage of the same byte size."""
-    dtype, shape, stride, offset, nbytes, flags = key
-    storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
-    m = torch.empty(0, dtype=dtype, device="meta")
-    m.set_(storage, offset, shape, stride)
-    if flags & 1:
-        torch._C._set_conj(m, True)
-    if flags & 2:
-        torch._C._set_neg(m, True)
-    return m
-
-
 def patch_metadata(w: RemoteTensor, key: Key) -> None:
     """Change a wrapper's sizes/strides/offset in place, as a metadata-changing in-place op did.
 
@@ -456,29 +426,3 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
     if h.base is not None:
         h.ext = view_ext(h.base.id, shape, stride, offset)
     w.__dict__.pop("_m", None)  # its inner meta described the old layout
-
-
-def key_of_tensor_meta(m: Any) -> Key:
-    """The metadata key of a tensor the server described (a TensorMeta)."""
-    span = storage_span(m.shape, m.stride, m.offset) * m.dtype.itemsize
-    return (m.dtype, tuple(m.shape), tuple(m.stride), m.offset, span,
-            (1 if m.conj else 0) | (2 if m.neg else 0))  # fmt: skip
-
-
-def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int) -> Key:
-    """Key of a tensor that owns exactly the storage its layout spans."""
-    span = storage_span(shape, stride, offset)
-    return (dtype, tuple(shape), tuple(stride), offset, span * dtype.itemsize, 0)
-
-
-def check_copy_fits(dst: Any, src: Any, where: str) -> None:
-    """`dst.copy_(src)` broadcasts `src` to `dst`'s shape: refuse it as torch does when it can't."""
-    try:
-        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise RuntimeError(
-            f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b "
-            f"({list(src.shape)}) for copy_ {where}"
-        )

@@ -217,6 +217,16 @@ def test_unshippable_graphs_fall_back_to_eager_ops_with_one_warning(session):
     torch.testing.assert_close(out.cpu(), torch.full((3,), 49.0))
 
 
+def _iadd_read(a, b):
+    a += 1  # Dynamo records operator.iadd, not an in-place method
+    return b * 2
+
+
+def _setitem_read(a, b):
+    a[0] = 5.0  # operator.setitem
+    return b * 2
+
+
 ALIASED_INPUTS = {
     "write the base, read a view": (lambda a, b: (a.add_(1), b * 2)[1], lambda x: (x, x[0])),
     "write a view, read the base": (lambda a, b: (b.mul_(3), a + 1)[1], lambda x: (x, x[:, 1])),
@@ -226,6 +236,8 @@ ALIASED_INPUTS = {
         lambda x: (x, x.t()),
     ),
     "disjoint rows": (lambda a, b: (a.add_(1), b * 2)[1], lambda x: (x[0], x[1])),
+    "+= a detached alias": (_iadd_read, lambda x: (x, x.detach())),
+    "setitem a detached alias": (_setitem_read, lambda x: (x, x.detach())),
 }
 
 
