@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import re
 import sys
 import threading
@@ -102,8 +103,9 @@ def connect(
     `rgpu.kept`. A named session another live client holds is refused (`rgpu.SessionInUse`)
     unless `takeover` is true; that client then gets `SessionLost`.
     """
-    global _current, _others
+    global _current, _others, _forked_from
     with _lock:
+        _forked_from = None  # a forked child connecting for itself
         config = Config.from_env()
         name = session if session is not None else config.session
         targets = split_targets(url or config.server or "local")
@@ -254,6 +256,25 @@ def disconnect(drop: bool = False) -> None:
             _set_disconnected(True)
 
 
+_forked_from: int | None = None  # set in a forked child of a connected process
+
+
+def _forget_in_forked_child() -> None:
+    """A forked child shares the parent's sockets: closing its sessions at exit ended the
+    parent's session on the server, and a wait on them never returned. The child forgets them
+    without touching them; using rgpu there raises until the child connects for itself."""
+    global _current, _others, _lock, _forked_from
+    _lock = threading.RLock()  # a parent's thread may have held it; that thread is not here
+    if _current is None:
+        return
+    _current, _others = None, []
+    _forked_from = os.getppid()
+    devices.install(None)
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
 def _set_disconnected(value: bool) -> None:
     global _disconnected
     _disconnected = value
@@ -264,6 +285,14 @@ def current() -> Session:
     session = _current
     if session is None:
         with _lock:
+            if _current is None and _forked_from is not None:
+                raise RgpuError(
+                    f"this process was forked from one (pid {_forked_from}) connected to rgpu, "
+                    "whose session stays the parent's: a forked child cannot use it, as CUDA "
+                    "cannot be used in a forked subprocess. Start workers with 'spawn' "
+                    "(multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context="
+                    "'spawn')), or call rgpu.connect(...) in the child for a session of its own"
+                )
             if _current is None and _disconnected:
                 raise RgpuError(
                     "rgpu is disconnected (rgpu.disconnect()); connect again with rgpu.connect() "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import secrets
 import threading
 import time
@@ -301,9 +302,14 @@ class SlurmTransport:
 _LIVE: set[SlurmTransport] = set()
 
 
+_PID = os.getpid()
+
+
 @atexit.register
 def _stop_all() -> None:
     """At exit, no job rgpu submitted outlives this process."""
+    if os.getpid() != _PID:  # a forked child: the tunnels and jobs are its parent's
+        return
     for transport in list(_LIVE):
         transport.stop()
 

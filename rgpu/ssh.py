@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shlex
 import socket
 import subprocess
@@ -284,10 +285,15 @@ class SshTunnel:
 _LIVE: set[SshTunnel] = set()
 
 
+_PID = os.getpid()
+
+
 @atexit.register
 def _stop_all() -> None:
     """At exit, no tunnel or server outlives this process (after `rgpu.disconnect`, which runs
     first: `rgpu.current` registers it later)."""
+    if os.getpid() != _PID:  # a forked child: the tunnels and jobs are its parent's
+        return
     for tunnel in list(_LIVE):
         tunnel.stop()
 
