@@ -90,3 +90,56 @@ def test_ctrl_c_during_a_long_upload_cancels_it_cleanly(server):
     finally:
         rgpu.disconnect()
         proxy.close()
+
+
+def test_ctrl_c_leaves_tensors_written_in_place_as_they_were_not_poisoned(dev, session):
+    """The server stops where it was, as a local interrupt stops the program at a line: what ran
+    ran, an in-place write it had not started leaves its target as it was. It poisoned the target
+    (a model's weights, after Ctrl-C during training, all raised 'cancelled')."""
+    x = torch.randn(2000, 2000, device=dev)
+    p = torch.arange(6.0, device=dev)
+    out = torch.zeros(2000, 2000, device=dev)
+    torch.rgpu.synchronize()
+    a = x
+    for _ in range(40):  # several seconds of server work
+        a = (a @ a).tanh()
+    p.add_(a[0, :6])  # not started when the interrupt comes
+    torch.matmul(a, a, out=out)
+    interrupt = DuringNextWait(session, ctrl_c, after=0.3)
+    with pytest.raises(KeyboardInterrupt):
+        a.sum().item()
+    interrupt.join()
+    assert torch.equal(p.cpu(), torch.arange(6.0))
+    assert out.abs().sum().item() == 0.0
+    with pytest.raises(rgpu.RemoteError, match="cancelled: an interrupt"):
+        a.sum().item()  # a new result the server never made still says so
+
+
+def test_training_goes_on_after_ctrl_c_interrupts_it(dev, session):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1))
+    model.to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(256, 512, device=dev), torch.randn(256, 1, device=dev)
+
+    def step():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step().item()  # the optimizer's state exists before the interrupt
+    interrupt = DuringNextWait(session, ctrl_c, after=0.3)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(400):
+            loss = step()
+        loss.item()
+    interrupt.join()
+    # every weight and optimizer state is a value some prefix of the queued work left
+    for t in [*model.parameters(), *(v for s in opt.state.values() for v in s.values())]:
+        assert torch.isfinite(t.cpu()).all()
+    before = step().item()
+    for _ in range(5):
+        after = step().item()
+    assert after < before

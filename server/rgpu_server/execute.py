@@ -234,8 +234,10 @@ CANCELLED = (
 
 
 def cancel(s: SessionState, seq: int, spec: Any, msg: list) -> None:
-    """An interrupt cancelled this message before it ran: its outputs (and what it writes) are
-    poisoned with that reason, a waited one is answered so; no error waits for the next wait."""
+    """An interrupt cancelled this message before it ran: its new outputs are poisoned with that
+    reason, a waited one is answered so; no error waits for the next wait. A tensor it would have
+    written in place (or through out=) keeps its value, as when a local program is interrupted
+    before that line: what the server ran stands, what it had not started never happened."""
     kind = msg[0]
     if spec.waited:
         s.reply(seq, Status.ERROR, ["cancelled", CANCELLED])
@@ -251,8 +253,8 @@ def cancel(s: SessionState, seq: int, spec: Any, msg: list) -> None:
         except OpRefused:
             pass
     poison = Poison(label, CANCELLED, seq)
-    for i in [*outs, *written]:
-        if type(i) is int:
+    for i in outs:
+        if type(i) is int and i not in written:
             if s.quota is not None:
                 s.quota.uncharge(i)
             s.tensors[i] = poison

@@ -319,7 +319,7 @@ def replay(s: SessionState, seq: int, msg: list) -> None:
 def _cancel_ops(
     s: SessionState, seq: int, ops: list, base: int, inputs: list, params: list, p: int
 ) -> None:
-    """Poison these ops' outputs (and what they write) as cancelled, as their RUNs would be."""
+    """Poison these ops' new outputs as cancelled, as their RUNs would be."""
     for op in ops:
         args, kwargs, bad, made = _build(s, op, base, inputs, params, p)
         p += op.nparams
