@@ -98,19 +98,23 @@ def test_ctrl_c_leaves_tensors_written_in_place_as_they_were_not_poisoned(dev, s
     (a model's weights, after Ctrl-C during training, all raised 'cancelled')."""
     x = torch.randn(2000, 2000, device=dev)
     p = torch.arange(6.0, device=dev)
+    q = torch.arange(6.0, device=dev)
     out = torch.zeros(2000, 2000, device=dev)
     torch.rgpu.synchronize()
     a = x
     for _ in range(40):  # several seconds of server work
         a = (a @ a).tanh()
     p.add_(a[0, :6])  # not started when the interrupt comes
-    torch.matmul(a, a, out=out)
+    q.unsqueeze_(0)  # the client's shape changed already: this one no longer agrees
+    torch.matmul(a, a, out=out)  # out= may resize: poisoned too
     interrupt = DuringNextWait(session, ctrl_c, after=0.3)
     with pytest.raises(KeyboardInterrupt):
         a.sum().item()
     interrupt.join()
     assert torch.equal(p.cpu(), torch.arange(6.0))
-    assert out.abs().sum().item() == 0.0
+    for poisoned in (q, out):
+        with pytest.raises(rgpu.RemoteError, match="cancelled: an interrupt"):
+            poisoned.sum().item()
     with pytest.raises(rgpu.RemoteError, match="cancelled: an interrupt"):
         a.sum().item()  # a new result the server never made still says so
 

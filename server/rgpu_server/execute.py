@@ -233,11 +233,22 @@ CANCELLED = (
 )
 
 
+def _keeps_layout(resolved: Any) -> bool:
+    """An op whose skipped write leaves its targets as the client sees them: one that writes
+    in place without changing their shape (not `resize_`, `unsqueeze_`, `set_`: inplace_view),
+    and no out= (the client resized its outputs already where they had another shape)."""
+    op = resolved.op
+    if torch.Tag.inplace_view in op.tags or "resize" in op._schema.name:
+        return False
+    return all(pos >= 0 and name != "out" for pos, name in resolved.writes)
+
+
 def cancel(s: SessionState, seq: int, spec: Any, msg: list) -> None:
     """An interrupt cancelled this message before it ran: its new outputs are poisoned with that
     reason, a waited one is answered so; no error waits for the next wait. A tensor it would have
-    written in place (or through out=) keeps its value, as when a local program is interrupted
-    before that line: what the server ran stands, what it had not started never happened."""
+    written in place keeps its value, as when a local program is interrupted before that line:
+    what the server ran stands, what it had not started never happened. Targets whose shape the
+    client already changed (`unsqueeze_`, out= resizes) are poisoned: they no longer agree."""
     kind = msg[0]
     if spec.waited:
         s.reply(seq, Status.ERROR, ["cancelled", CANCELLED])
@@ -245,16 +256,18 @@ def cancel(s: SessionState, seq: int, spec: Any, msg: list) -> None:
     outs = msg[3] if kind == Kind.CALL else msg[4]
     label = "cancelled op"
     written: list[int] = []
+    kept: list[int] = []
     if kind == Kind.RUN:
         try:
             resolved = resolve(msg[1])
             label = resolved.label
             written = s.written_ids(resolved, msg[2], msg[3])
+            kept = written if _keeps_layout(resolved) else []
         except OpRefused:
             pass
     poison = Poison(label, CANCELLED, seq)
-    for i in outs:
-        if type(i) is int and i not in written:
+    for i in [*outs, *written]:
+        if type(i) is int and i not in kept:
             if s.quota is not None:
                 s.quota.uncharge(i)
             s.tensors[i] = poison
