@@ -114,6 +114,24 @@ def _on_first_trace() -> None:
     """torch.compile traces a RemoteTensor for the first time (Dynamo is loaded by now)."""
     compile.ship_default_backend_graphs()
     _constants_stay_fake()
+    _rgpu_frames_run_eagerly()
+
+
+def _rgpu_frames_run_eagerly() -> None:
+    """Dynamo never traces rgpu's own code. Between the graphs of a function with a graph break
+    (`if x.sum() > 0`, `.item()`, `x[x > 0]`), Dynamo's frame hook sees rgpu's dispatch frames run
+    eagerly and, taking them for user code, compiled them: a read then met a fake tensor.
+    `rgpu.models` holds models to compile, so it stays traceable."""
+    import os
+    import pkgutil
+
+    import torch._dynamo.trace_rules as rules
+
+    package = __name__.rpartition(".")[0]
+    rules.add("rgpu_protocol")
+    for module in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if module.name != "models":
+            rules.add(f"{package}.{module.name}")
 
 
 def _constants_stay_fake() -> None:

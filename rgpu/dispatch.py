@@ -16,6 +16,7 @@ from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, TensorMeta, ref_ext
 from . import current as _cur
 from . import default_dtype as _default_dtype
 from . import devices as _devices
+from . import keys as _keys
 from . import storage_ids as _storage_ids
 from . import tensor as _tensor
 from .plans import (
@@ -221,6 +222,14 @@ def run_traced(func, args: tuple, kwargs: dict) -> Any:
         return x
 
     out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs))
+    for w in inner_of.values():  # `t_`, `unsqueeze_`, out= resizes: the wrapper follows its inner
+        m = w._rgpu_meta
+        if (
+            w.shape != m.shape
+            or w.stride() != m.stride()
+            or w.storage_offset() != m.storage_offset()
+        ):
+            _tensor.relayout(w, _keys.key_of_meta(m))
 
     def wrap_out(x: Any) -> Any:
         if isinstance(x, torch.Tensor):

@@ -402,6 +402,16 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
     The wrapper owns a placeholder storage (no data, just a byte count); when the new layout needs
     more bytes, a bigger placeholder is swapped in through the Meta kernel of `set_`.
     """
+    relayout(w, key)
+    h = w._r
+    h.key = key
+    if h.base is not None:
+        h.ext = view_ext(h.base.id, key[1], key[2], key[3])
+    w.__dict__.pop("_m", None)  # its inner meta described the old layout
+
+
+def relayout(w: RemoteTensor, key: Key) -> None:
+    """The wrapper's own sizes/strides/offset (and placeholder storage) become `key`'s."""
     dtype, shape, stride, offset, nbytes, flags = key
     with torch.no_grad(), no_dispatch():
         if nbytes != _UNTYPED_STORAGE(w).nbytes() or dtype != w.dtype:
@@ -421,8 +431,3 @@ def patch_metadata(w: RemoteTensor, key: Key) -> None:
                 torch._C._set_meta_in_tls_dispatch_include(False)
         else:
             torch.ops.aten.as_strided_.default(w, shape, stride, offset)
-    h = w._r
-    h.key = key
-    if h.base is not None:
-        h.ext = view_ext(h.base.id, shape, stride, offset)
-    w.__dict__.pop("_m", None)  # its inner meta described the old layout

@@ -217,6 +217,93 @@ def test_unshippable_graphs_fall_back_to_eager_ops_with_one_warning(session):
     torch.testing.assert_close(out.cpu(), torch.full((3,), 49.0))
 
 
+def _branch_on_a_sum(x):
+    y = x * 2
+    if y.sum() > 0:  # a graph break: the comparison's value decides which code runs
+        return y + 1
+    return y - 1
+
+
+GRAPH_BREAKS = {
+    "if on a tensor": _branch_on_a_sum,
+    ".item()": lambda x: x * x.sum().item(),
+    "boolean mask": lambda x: x[x > 0] * 2,
+    ".tolist()": lambda x: x * len([v for v in x.tolist() if v > 0]),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAPH_BREAKS))
+def test_functions_with_graph_breaks_run_their_eager_parts_on_the_device(session, case):
+    """Between its graphs, Dynamo runs the code of a graph break eagerly; its frame hook took
+    rgpu's own dispatch code for user code and compiled it, so the read in the middle met a fake
+    tensor and raised. rgpu's code now always runs as plain Python."""
+    fn = GRAPH_BREAKS[case]
+    torch.manual_seed(0)
+    for x in (torch.randn(7), -torch.rand(7)):
+        got = torch.compile(fn, backend=rgpu.compile_backend(), dynamic=False)(x.to("rgpu"))
+        # Inductor may sum in another order than the CPU's eager kernel
+        torch.testing.assert_close(got.cpu(), fn(x), rtol=1e-6, atol=1e-6)
+
+
+def _transposed_in_place(x):
+    y = x * 2
+    y.t_()
+    return y.contiguous()
+
+
+def _unsqueezed_in_place(x):
+    y = x * 2
+    y.unsqueeze_(1)
+    return y.sum(0)
+
+
+def _resized_in_place(x):
+    y = x * 2
+    y.resize_(2)
+    return y + 1
+
+
+def _strided_in_place(x):
+    y = x * 2
+    y.as_strided_((2,), (2,))
+    return y * 1
+
+
+def _input_transposed(x):
+    x.t_()
+    return x + 1
+
+
+def _out_resized(x):
+    buf = torch.empty(0, device=x.device)
+    torch.add(x, 1, out=buf)
+    return buf * 2
+
+
+IN_PLACE_LAYOUT_CHANGES = [
+    _transposed_in_place,
+    _unsqueezed_in_place,
+    _resized_in_place,
+    _strided_in_place,
+    _input_transposed,
+    _out_resized,
+]
+
+
+@pytest.mark.parametrize("fn", IN_PLACE_LAYOUT_CHANGES, ids=lambda f: f.__name__.strip("_"))
+def test_in_place_layout_changes_inside_a_compiled_function(session, fn):
+    """`y.t_(); y.contiguous()` compiled returned a (3, 2) tensor where the CPU gives (2, 3):
+    while traced, an in-place op that changed the fake inner's layout left the wrapper's own
+    sizes as they were, so `contiguous()` saw nothing to do. Silently wrong before the fix."""
+    x = torch.arange(6.0).reshape(3, 2)
+    xr = x.clone().to("rgpu")
+    expected = fn(x)
+    got = torch.compile(fn, backend=rgpu.compile_backend(), dynamic=False)(xr)
+    assert (got.shape, got.stride()) == (expected.shape, expected.stride())
+    assert torch.equal(got.cpu(), expected)
+    assert (xr.shape, xr.stride()) == (x.shape, x.stride()) and torch.equal(xr.cpu(), x)
+
+
 def _iadd_read(a, b):
     a += 1  # Dynamo records operator.iadd, not an in-place method
     return b * 2
