@@ -217,6 +217,8 @@ def run_traced(func, args: tuple, kwargs: dict) -> Any:
     def unwrap(x: Any) -> Any:
         if isinstance(x, RemoteTensor):
             m = x._rgpu_meta
+            if type(m) is torch.Tensor and m.is_meta:
+                raise _ran_locally(func)
             inner_of[id(m)] = x
             return m
         return x
@@ -238,6 +240,16 @@ def run_traced(func, args: tuple, kwargs: dict) -> Any:
         return x
 
     return pytree.tree_map(wrap_out, out)
+
+
+def _ran_locally(func) -> RuntimeError:
+    """A compiled graph run here on rgpu tensors' metadata: its outputs hold no data."""
+    return RuntimeError(
+        f"{func} met the output of a compiled graph that ran on this machine, where rgpu tensors "
+        "have no data: the torch.compile backend used runs AOTAutograd graphs locally "
+        "('aot_eager', a custom one). Use the default backend, backend='rgpu' or "
+        "backend=rgpu.compile_backend(), which run the graph on the rgpu server"
+    )
 
 
 def materialize(w: RemoteTensor, sess, where: int | None = None) -> None:

@@ -245,6 +245,26 @@ def test_functions_with_graph_breaks_run_their_eager_parts_on_the_device(session
         torch.testing.assert_close(got.cpu(), fn(x), rtol=1e-6, atol=1e-6)
 
 
+def test_a_compiled_lstm_equals_the_cpu(session):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 8, batch_first=True)
+    x = torch.randn(2, 3, 4)
+    compiled = torch.compile(copy.deepcopy(lstm).to("rgpu"), backend=rgpu.compile_backend())
+    out, (h, c) = compiled(x.to("rgpu"))
+    want, (wh, wc) = lstm(x)
+    for got, exp in ((out, want), (h, wh), (c, wc)):
+        torch.testing.assert_close(got.cpu(), exp, rtol=1e-5, atol=1e-6)
+
+
+def test_a_backend_that_runs_graphs_here_says_so(session):
+    """aot_eager runs the graph on this machine, on rgpu tensors' metadata: its outputs hold no
+    data. Using one said 'Cannot copy out of meta tensor'; now the error names the backend."""
+    out = torch.compile(lambda x: x * 2, backend="aot_eager")(torch.ones(3, device="rgpu"))
+    with pytest.raises(RuntimeError, match="runs AOTAutograd graphs locally"):
+        out.cpu()
+    assert (torch.ones(3, device="rgpu") * 2).sum().item() == 6.0
+
+
 def _transposed_in_place(x):
     y = x * 2
     y.t_()
