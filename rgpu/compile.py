@@ -336,6 +336,8 @@ def compile_backend(compiler: str = "inductor", mode: str | None = None) -> Any:
     )
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        if not _touches_rgpu(gm, example_inputs):
+            return gm  # a graph of CPU tensors: its results stay on the CPU, as eager gives them
         if unseen_aliasing(gm, example_inputs):
             _warn_once(
                 "two of its inputs share a storage without being views of one another (x and "
@@ -351,6 +353,21 @@ def compile_backend(compiler: str = "inductor", mode: str | None = None) -> Any:
             return gm
 
     return backend
+
+
+def _touches_rgpu(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
+    """Whether a graph reads an rgpu tensor or makes one (`torch.zeros(n, device="rgpu")`)."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.device.type == _tensor.DEVICE_TYPE:
+            return True
+    for node in gm.graph.nodes:
+        values = [node.meta.get("example_value"), *node.args, *node.kwargs.values()]
+        for v in torch.utils._pytree.tree_leaves(values):
+            if isinstance(v, (str, torch.device)) and str(v).startswith(_tensor.DEVICE_TYPE):
+                return True
+            if isinstance(v, torch.Tensor) and v.device.type == _tensor.DEVICE_TYPE:
+                return True
+    return False
 
 
 def _first_sentence(e: Exception) -> str:

@@ -245,6 +245,20 @@ def test_functions_with_graph_breaks_run_their_eager_parts_on_the_device(session
         torch.testing.assert_close(got.cpu(), fn(x), rtol=1e-6, atol=1e-6)
 
 
+def test_a_graph_of_cpu_tensors_stays_on_the_cpu(session):
+    """compile_backend() shipped every graph, so a compiled function given CPU tensors returned
+    rgpu tensors; a graph that makes an rgpu tensor from CPU inputs still runs on rgpu."""
+    f = torch.compile(lambda x: x * 2 + 1, backend=rgpu.compile_backend())
+    out = f(torch.ones(3))
+    assert out.device.type == "cpu" and torch.equal(out, torch.full((3,), 3.0))
+    g = torch.compile(lambda x: x.to("rgpu") * 2, backend=rgpu.compile_backend())
+    out = g(torch.ones(3))
+    assert out.device.type == "rgpu" and torch.equal(out.cpu(), torch.full((3,), 2.0))
+    h = torch.compile(lambda x: x + torch.ones(3, device="rgpu"), backend=rgpu.compile_backend())
+    out = h(torch.ones(3, device="rgpu"))
+    assert torch.equal(out.cpu(), torch.full((3,), 2.0))
+
+
 def test_a_compiled_lstm_equals_the_cpu(session):
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(4, 8, batch_first=True)
