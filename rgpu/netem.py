@@ -128,6 +128,7 @@ class LinkEmulator:
                 await dst.drain()
 
         writer = asyncio.ensure_future(deliver())
+        cutting = False
         try:
             while True:
                 data = await src.read(65536)
@@ -135,9 +136,13 @@ class LinkEmulator:
                     break
                 if budget[0] is not None:
                     if len(data) >= budget[0]:
-                        dst.write(data[: budget[0]])  # part of a frame gets through
+                        # part of a frame gets through, after the bytes before it (written
+                        # straight away it could overtake them: a reordered stream, which TCP
+                        # never delivers), and then the link dies
+                        line.append((time.monotonic() + self.rtt_s / 2, data[: budget[0]]))
+                        queued[0] += budget[0]
                         budget[0] = 0
-                        cut()
+                        cutting = True
                         return
                     budget[0] -= len(data)
                 line.append((time.monotonic() + self.rtt_s / 2, data))
@@ -157,7 +162,10 @@ class LinkEmulator:
                 await writer
             except (ConnectionError, OSError):
                 pass
-            dst.close()
+            if cutting:
+                cut()
+            else:
+                dst.close()
 
     def _queue_limit(self) -> float:
         return max(self.bandwidth_bps * (self.rtt_s / 2 + 0.05), 65536)
