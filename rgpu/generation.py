@@ -119,11 +119,15 @@ def lookahead_applies(cache: Any, cache_is_returned: bool, is_assistant: bool) -
     """Whether the stop check may run ahead here: not for an assistant model (its caller crops
     the cache itself), and a cache handed back to the caller must be one that `crop(-n)` cuts
     back exactly after n steps (full-attention layers; sliding-window and recurrent layers
-    forget what an undo would need)."""
+    forget what an undo would need). No cache after the prefill does not mean the model keeps
+    none: RWKV and RecurrentGemma keep their state under other names, out of reach of an undo,
+    so when the caller gets it back the loop checks every step."""
     if settings.generate_lookahead <= 0 or is_assistant:
         return False
-    if cache is None or not cache_is_returned:
+    if not cache_is_returned:
         return True
+    if cache is None:
+        return False
     inner = getattr(cache, "self_attention_cache", cache)
     layers = getattr(inner, "layers", None)
     return (

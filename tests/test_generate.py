@@ -240,6 +240,32 @@ def test_a_returned_sliding_window_cache_keeps_the_wait_per_token(dev):
     assert generation.lookahead_applies(full, True, False)
 
 
+def test_a_state_the_model_keeps_itself_comes_back_as_the_cpus(proxied, lookahead):
+    """RWKV has no cache after the prefill: it keeps its state under another name, where no undo
+    reaches. Returned to the caller, it must hold what the CPU's holds: no steps past the EOS."""
+    rgpu.connect(proxied(latency_s=0.03).url)  # answers arrive steps late: the loop runs ahead
+    lookahead(8)
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(num_hidden_layers=2, hidden_size=32, vocab_size=300,
+                                     context_length=64, attention_hidden_size=32,
+                                     intermediate_size=64)  # fmt: skip
+    cpu = transformers.RwkvForCausalLM(config).eval()
+    model = copy.deepcopy(cpu).to("rgpu")
+    eos = _eos_mid_way(cpu, PROMPT, at=3)
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=eos,
+                  return_dict_in_generate=True)  # fmt: skip
+    expected = cpu.generate(PROMPT, **kwargs)
+    got = model.generate(PROMPT.to("rgpu"), **kwargs)
+    assert torch.equal(got.sequences.cpu(), expected.sequences)
+    assert expected.sequences.shape[1] < PROMPT.shape[1] + 20  # it did stop at the EOS
+    assert len(got.past_key_values) == len(expected.past_key_values) == 5
+    for state, ref in zip(got.past_key_values, expected.past_key_values):
+        torch.testing.assert_close(state.cpu(), ref, rtol=1e-5, atol=1e-5)
+    # dropped at the end, the state needs no undo: the loop may run ahead
+    assert generation.lookahead_applies(None, False, False)
+    assert not generation.lookahead_applies(None, True, False)
+
+
 def test_a_negative_lookahead_is_refused():
     with pytest.raises(ValueError, match="generate_lookahead must be 0 or more"):
         rgpu.settings.generate_lookahead = -1
