@@ -10,13 +10,11 @@ answer from `torch.rgpu`; otherwise PyTorch's own are left as they are.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from . import device_module as _rgpu
-from .errors import RgpuError
 from .tensor import DEVICE_TYPE
 
 _ORIGINAL: dict[str, Any] = {}
@@ -62,24 +60,9 @@ def memory_reserved(device: Any = None, /) -> int:
     return _rgpu.memory_allocated(device)
 
 
-def memory_stats(device: Any = None, /) -> OrderedDict[str, Any]:
-    held = _rgpu.memory_allocated(device)
-    return OrderedDict(
-        [("allocated_bytes.all.current", held), ("reserved_bytes.all.current", held)]
-    )
-
-
 def get_memory_info(device: Any = None, /) -> tuple[int, int]:
     """(free, total) bytes of the device on its server (host RAM for a CPU server)."""
     return _rgpu.mem_get_info(device)
-
-
-def _no_peaks(*_: Any) -> Any:
-    raise RgpuError(
-        "rgpu does not track peak memory: torch.accelerator.max_memory_allocated, "
-        "max_memory_reserved and reset_peak_memory_stats are not available on rgpu; "
-        "torch.rgpu.memory_allocated(i) gives the bytes this session holds now"
-    )
 
 
 _ANSWERS = {
@@ -92,12 +75,12 @@ _ANSWERS = {
     "empty_cache": empty_cache,
     "memory_allocated": memory_allocated,
     "memory_reserved": memory_reserved,
-    "memory_stats": memory_stats,
+    "memory_stats": _rgpu.memory_stats,
     "get_memory_info": get_memory_info,
-    "max_memory_allocated": _no_peaks,
-    "max_memory_reserved": _no_peaks,
-    "reset_peak_memory_stats": _no_peaks,
-    "reset_accumulated_memory_stats": _no_peaks,
+    "max_memory_allocated": _rgpu.no_peaks,
+    "max_memory_reserved": _rgpu.no_peaks,
+    "reset_peak_memory_stats": _rgpu.no_peaks,
+    "reset_accumulated_memory_stats": _rgpu.no_peaks,
 }
 
 

@@ -7,6 +7,7 @@ a current device per thread, and per-device synchronize, events, generators and 
 from __future__ import annotations
 
 import types
+from collections import OrderedDict
 
 import torch
 
@@ -135,6 +136,28 @@ empty_cache = release_now  # as torch.cuda.empty_cache: give back what nothing u
 memory_reserved = memory_allocated  # the server's allocator cache is shared by all its sessions
 
 
+def memory_stats(device: object = None) -> OrderedDict[str, int]:
+    """The counters rgpu has, under CUDA's names: what this session holds now (one wait)."""
+    held = memory_allocated(device)
+    return OrderedDict(
+        [("allocated_bytes.all.current", held), ("reserved_bytes.all.current", held)]
+    )
+
+
+def no_peaks(*_: object, **__: object) -> int:
+    """CUDA's peak counters: code ported from CUDA calls them, and gets a reason, not a number
+    that would mix every session of a shared server process."""
+    raise RgpuError(
+        "rgpu does not track peak memory: max_memory_allocated, max_memory_reserved and "
+        "reset_peak_memory_stats are not available on rgpu (torch.rgpu or torch.accelerator); "
+        "torch.rgpu.memory_allocated(i) gives the bytes this session holds now"
+    )
+
+
+max_memory_allocated = max_memory_reserved = no_peaks
+reset_peak_memory_stats = reset_max_memory_allocated = reset_accumulated_memory_stats = no_peaks
+
+
 def get_rng_state(device: object = None) -> torch.Tensor:
     """The device's generator state on its server, as a CPU uint8 tensor (one wait)."""
     sess, local = _on(device)
@@ -249,6 +272,8 @@ for _name in (
     "set_device", "synchronize", "manual_seed", "manual_seed_all", "get_device_name",
     "memory_allocated", "get_amp_supported_dtype", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "initial_seed", "seed", "seed_all", "device",
-    "Event", "mem_get_info", "empty_cache", "memory_reserved",
+    "Event", "mem_get_info", "empty_cache", "memory_reserved", "memory_stats",
+    "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats",
+    "reset_max_memory_allocated", "reset_accumulated_memory_stats",
 ):  # fmt: skip
     setattr(module, _name, globals()[_name])

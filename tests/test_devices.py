@@ -267,8 +267,12 @@ def test_torch_accelerator_answers_for_rgpu(devs):
     del x
     acc.empty_cache()  # the dropped tensor's free goes now, not with the next batch
     assert acc.memory_allocated(1) == held - 4096
+    assert torch.rgpu.memory_stats(1) == acc.memory_stats(1)
     with pytest.raises(rgpu.RgpuError, match="does not track peak memory"):
         acc.max_memory_allocated(1)
+    for name in ("max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"):
+        with pytest.raises(rgpu.RgpuError, match="does not track peak memory"):
+            getattr(torch.rgpu, name)(1)  # as code ported from torch.cuda calls them
 
 
 def test_accelerate_splits_a_model_across_devices(devs):
