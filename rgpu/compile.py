@@ -56,7 +56,7 @@ def _encode_arg(x: Any, index: dict[torch.fx.Node, int]) -> Any:
     if isinstance(x, torch.device):
         # traced code ran on the meta device: those tensors belong on the server's device
         return x if x.type == "cpu" else torch.device(_tensor.DEVICE_TYPE)
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if isinstance(x, _SYMBOLIC):
         raise Unshippable("it has dynamic shapes; compile with dynamic=False")
     if isinstance(x, torch.Tensor):
         raise Unshippable("it holds a constant tensor")
@@ -72,6 +72,9 @@ def _encode_arg(x: Any, index: dict[torch.fx.Node, int]) -> Any:
     ):
         return x
     raise Unshippable(f"an argument of type {type(x).__name__} cannot be sent")
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def serialize(gm: torch.fx.GraphModule) -> list:
@@ -106,6 +109,8 @@ def serialize(gm: torch.fx.GraphModule) -> list:
             outs = node.args[0]
             outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
             nodes.append([NodeTag.OUTPUT, _encode_arg(outs, index)])
+        elif isinstance(node.meta.get("val"), _SYMBOLIC):  # shape arithmetic: `s0 * s1`
+            raise Unshippable("it has dynamic shapes; compile with dynamic=False")
         else:
             raise Unshippable(f"it has a {node.op} node ({node.target})")
         index[node] = len(index)

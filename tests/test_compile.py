@@ -12,6 +12,7 @@ import copy
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -215,6 +216,28 @@ def test_unshippable_graphs_fall_back_to_eager_ops_with_one_warning(session):
     torch.testing.assert_close(out.cpu(), torch.full((3,), 25.0))
     out = cf(torch.ones(7, 3, device="rgpu"))  # no second warning for the same reason
     torch.testing.assert_close(out.cpu(), torch.full((3,), 49.0))
+
+
+def test_shape_arithmetic_in_a_dynamic_graph_is_named_as_dynamic_shapes(session):
+    """With the default dynamic=None a new shape recompiles with symbolic sizes; a graph that
+    multiplies them (`s0 * s1`, a Python operator node) falls back saying why, not "it has a
+    call_function node"."""
+
+    def f(x):
+        return x.reshape(x.shape[0] * x.shape[1]) * 2
+
+    cf = torch.compile(f, backend=rgpu.compile_backend(compiler="eager"))
+    rc._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (3, 4, 5):
+            x = torch.randn(n, 2)
+            assert torch.equal(cf(x.to("rgpu")).cpu(), f(x))
+    said = [str(w.message) for w in caught if "rgpu:" in str(w.message)]
+    assert said == [
+        "rgpu: running a compiled graph as eager remote ops because it has dynamic shapes; "
+        "compile with dynamic=False"
+    ]
 
 
 def _branch_on_a_sum(x):
