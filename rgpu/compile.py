@@ -211,6 +211,14 @@ class ShippedGraph:
                     handles.append(handle)
                 elif a.device.type == "cpu":
                     refs.append(a)  # a CPU tensor the graph captured: sent along, inline
+                elif a.device.type == "meta":  # from no RemoteTensor of ours
+                    raise RuntimeError(
+                        "a compiled rgpu graph got a meta tensor: either an input or parameter "
+                        "is on the meta device (move it to rgpu before calling the compiled "
+                        "model), or, in a backward, the gradient of an output the compiled code "
+                        "made itself (torch.zeros(..., device=x.device)) came in another layout "
+                        "than traced: return that output contiguous (.contiguous())"
+                    )
                 else:
                     raise RuntimeError(
                         f"a compiled rgpu graph got a {a.device.type} tensor; move every input "

@@ -170,6 +170,17 @@ class RemoteTensor(torch.Tensor):
             self.__dict__["_m"] = m
         return m
 
+    def __coerce_same_metadata_as_tangent__(
+        self, expected_meta: Any, expected_type: type | None = None
+    ) -> torch.Tensor:
+        """AOTAutograd's backward expected a plain tensor here: the output was made on rgpu from
+        no RemoteTensor (`torch.zeros(n, device=x.device)`, then written from one that needs
+        grad), so its trace saw a bare tensor. Give what any other RemoteTensor tangent is
+        flattened to, its meta with the handle, which the shipped backward graph takes alike."""
+        if expected_type is not None and expected_type is not RemoteTensor:
+            return self._rgpu_meta
+        return self
+
     def _stable_hash_for_caching(self) -> str:
         """For AOTAutograd's cache: a RemoteTensor's identity for compilation is its layout."""
         return f"rgpu:{self.dtype}:{tuple(self.shape)}:{self.stride()}:{self.storage_offset()}"

@@ -240,6 +240,49 @@ def test_shape_arithmetic_in_a_dynamic_graph_is_named_as_dynamic_shapes(session)
     ]
 
 
+def _buffer_written_inside(x):
+    buf = torch.zeros(2, 4, device=x.device)  # made inside the compiled code, from no input
+    buf.copy_(x[:, -4:] * 2)  # and written from one that needs grad (mamba's conv state)
+    return buf, x.sin().sum()
+
+
+def _transposed_buffer_written_inside(x):
+    buf = torch.zeros(4, 2, device=x.device)
+    buf.copy_((x[:, -4:] * 2).t())
+    return buf.t(), x.sin().sum()  # an output whose gradient will come in another layout
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_backward_through_an_output_made_inside_the_graph(session, compiler):
+    """AOTAutograd traced that output as a plain tensor and, in the backward, met a RemoteTensor
+    tangent for it: 'we guessed its metadata incorrectly' (compiled mamba2 training failed so)."""
+    x0 = torch.randn(2, 6)
+    weights = torch.arange(8.0).view(2, 4)
+    grads = []
+    for dev, backend in (("cpu", "eager"), ("rgpu", rgpu.compile_backend(compiler=compiler))):
+        torch._dynamo.reset()
+        x = x0.to(dev).detach().requires_grad_()
+        buf, total = torch.compile(_buffer_written_inside, backend=backend, dynamic=False)(x)
+        assert buf.requires_grad
+        (total + (buf * weights.to(dev)).sum()).backward()
+        grads.append(x.grad.cpu())
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_backward_through_a_transposed_output_made_inside_the_graph_says_what_to_do(session):
+    """Known limit: the gradient of such an output must be re-laid out as traced, and AOTAutograd
+    does that on the bare meta it was given, which names no server tensor: a clear error."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 6, device="rgpu", requires_grad=True)
+    compiled = torch.compile(
+        _transposed_buffer_written_inside, backend=rgpu.compile_backend(compiler="eager"),
+        dynamic=False,
+    )  # fmt: skip
+    buf, total = compiled(x)
+    with pytest.raises(RuntimeError, match=r"return that output contiguous \(.contiguous\(\)\)"):
+        (total + (buf * torch.arange(8.0, device="rgpu").view(2, 4)).sum()).backward()
+
+
 def _branch_on_a_sum(x):
     y = x * 2
     if y.sum() > 0:  # a graph break: the comparison's value decides which code runs
