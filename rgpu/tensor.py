@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -152,6 +153,12 @@ class RemoteTensor(torch.Tensor):
             return _dispatch(func, args, kwargs)
         except Exception as e:
             if not backward_errors.in_backward() or backward_errors.nested(_DISPATCH_CODE):
+                # the error outlives the call (IPython keeps the last one): rgpu's frames in its
+                # traceback would keep the op's arguments alive, and with them the tensors and
+                # autograd graph they hold (a parameter then could not be moved, memory not
+                # freed), where a CPU or CUDA op's error holds none. The lines stay
+                traceback.clear_frames(e.__traceback__)
+                args = kwargs = None  # noqa: F841  (this frame is still running)
                 raise
             return backward_errors.placeholder(e, func)  # a raise here would abort the process
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import traceback
+import weakref
+
 import pytest
 import torch
 
@@ -217,3 +221,18 @@ def test_zero_tensors_from_autograd_do_not_crash_the_server(dev, session):
     z = torch._efficientzerotensor((3,), device=dev)
     assert torch.equal((z + 1).cpu(), torch.ones(3))
     assert session.info()["tensors"] >= 0
+
+
+def test_an_error_kept_by_the_notebook_keeps_no_argument_alive(dev):
+    """IPython keeps the last error: rgpu's frames in its traceback held the failed op's
+    arguments (server memory not freed, a parameter that could not be moved), where a CPU or
+    CUDA op's error holds none."""
+    x = torch.randn(1000, device=dev)
+    alive = weakref.ref(x)
+    with pytest.raises(RuntimeError, match="shape") as info:
+        x.view(3, 7)
+    assert "dispatch" in "".join(traceback.format_tb(info.value.__traceback__))  # lines kept
+    del x
+    gc.collect()
+    assert alive() is None
+    assert info.value is not None  # the error is still held
