@@ -92,3 +92,26 @@ def test_what_cuda_takes_from_the_cpu_works_and_equals_the_cpu(dev):
     made = torch.empty_like(base, device=dev).fill_(3.0)  # a factory from a CPU tensor
     assert made.device.type == "rgpu" and torch.equal(made.cpu(), torch.full((4, 8), 3.0))
     assert rgpu.current.get() is not None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_ctc_loss_takes_its_lengths_on_the_cpu_as_cuda_does(dev, reduction):
+    """cuDNN's CTC wants the lengths on the CPU, so CTC code keeps them there; the mean divides
+    the loss by them, which met a CPU tensor beside an rgpu one."""
+    torch.manual_seed(0)
+    log_probs = torch.randn(12, 2, 5).log_softmax(2)
+    targets = torch.randint(1, 5, (2, 4))
+    lengths = torch.tensor([12, 10]), torch.tensor([4, 3])
+    ref = log_probs.clone().requires_grad_()
+    expected = F.ctc_loss(ref, targets, *lengths, reduction=reduction)
+    expected.sum().backward()
+    remote = log_probs.to(dev).requires_grad_()
+    loss = F.ctc_loss(remote, targets.to(dev), *lengths, reduction=reduction)
+    loss.sum().backward()
+    torch.testing.assert_close(loss.cpu(), expected)
+    torch.testing.assert_close(remote.grad.cpu(), ref.grad)
+    with torch.inference_mode():  # autograd's kernel skipped
+        torch.testing.assert_close(
+            F.ctc_loss(remote, targets.to(dev), *lengths, reduction=reduction).cpu(),
+            expected.detach(),
+        )
