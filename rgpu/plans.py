@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from rgpu_protocol import TensorMeta, written_returns
 
-from . import fast_meta, in_place_meta, meta_fixes, same_device
+from . import fast_meta, in_place_meta, meta_checks, meta_fixes, same_device
 from . import tensor as _tensor
 from .errors import shown_briefly
 from .tensor import (
@@ -255,6 +255,7 @@ def _rewrite_meta_error(e: BaseException) -> BaseException:
 
 def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
     same_device.check(func, info.wire, args, kwargs)
+    meta_checks.check(func, args, kwargs)
     paths: dict = {}
     memo: dict = {}
     margs = tuple(_to_meta(a, ("a", i), paths, memo) for i, a in enumerate(args))

@@ -236,3 +236,57 @@ def test_an_error_kept_by_the_notebook_keeps_no_argument_alive(dev):
     gc.collect()
     assert alive() is None
     assert info.value is not None  # the error is still held
+
+
+_F64 = torch.float64
+REFUSED_BY_EVERY_KERNEL = {
+    "mm-dtypes": lambda d: torch.mm(torch.ones(2, 3, device=d), torch.ones(3, 2, dtype=_F64, device=d)),
+    "matmul-dtypes": lambda d: torch.ones(2, 3, device=d) @ torch.ones(3, 2, dtype=_F64, device=d),
+    "linear-dtypes": lambda d: torch.nn.functional.linear(
+        torch.ones(2, 3, device=d), torch.ones(2, 3, dtype=_F64, device=d)
+    ),
+    "addmm-dtypes": lambda d: torch.addmm(
+        torch.ones(2, 2, device=d), torch.ones(2, 3, device=d), torch.ones(3, 2, dtype=_F64, device=d)
+    ),
+    "mv-dtypes": lambda d: torch.mv(torch.ones(2, 3, device=d), torch.ones(3, dtype=_F64, device=d)),
+    "conv-dtypes": lambda d: torch.nn.functional.conv2d(
+        torch.ones(1, 1, 4, 4, device=d), torch.ones(1, 1, 3, 3, dtype=_F64, device=d)
+    ),
+    "index_select-float-index": lambda d: torch.ones(3, device=d).index_select(
+        0, torch.zeros(1, device=d)
+    ),
+    "sort-dim": lambda d: torch.sort(torch.ones(3, device=d), dim=3),
+    "std-of-int64": lambda d: torch.arange(5, device=d).std(),
+    "softmax-of-int64": lambda d: torch.arange(3, device=d).softmax(0),
+    "cross_entropy-of-int64": lambda d: torch.nn.functional.cross_entropy(
+        torch.ones(2, 3, dtype=torch.long, device=d), torch.zeros(2, dtype=torch.long, device=d)
+    ),
+}
+SAME_MESSAGE = {"mm-dtypes", "matmul-dtypes", "linear-dtypes", "index_select-float-index", "sort-dim",
+                "std-of-int64"}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BY_EVERY_KERNEL))
+def test_what_every_kernel_refuses_is_refused_at_the_op(dev, counted, case):
+    """The meta kernels accept these: the op failed on the server, raised at a later wait with
+    its outputs poisoned. Now at the op, as on the CPU, with nothing sent."""
+    op = REFUSED_BY_EVERY_KERNEL[case]
+    with pytest.raises(Exception) as cpu:
+        op("cpu")
+    with pytest.raises(type(cpu.value)) as remote:
+        op(dev)
+    if case in SAME_MESSAGE:
+        assert str(remote.value) == str(cpu.value)
+    assert counted()["waits"] == 0
+    torch.rgpu.synchronize()  # nothing failed on the server
+
+
+def test_the_variants_every_kernel_takes_still_run(dev):
+    x = torch.arange(6, device=dev).reshape(2, 3)
+    assert torch.equal(x.softmax(1, dtype=torch.float32).cpu(), x.cpu().softmax(1, dtype=torch.float32))
+    a = torch.randn(2, 3, dtype=torch.bfloat16)
+    b = torch.randn(3, 2, dtype=torch.bfloat16)
+    assert torch.equal((a.to(dev) @ b.to(dev)).cpu(), a @ b)
+    assert torch.equal(torch.sort(x, dim=-2).values.cpu(), torch.sort(x.cpu(), dim=-2).values)
+    assert torch.equal(x.index_select(1, torch.tensor([2, 0], dtype=torch.int32, device=dev)).cpu(),
+                       x.cpu().index_select(1, torch.tensor([2, 0], dtype=torch.int32)))  # fmt: skip

@@ -1,0 +1,131 @@
+"""Refusals every device's kernel makes and the meta kernels skip, made at the op.
+
+Meta inference accepts these, so the op went out and failed on the server: the error came at a
+later wait, far from its line, and the op's outputs were poisoned. Each check here is one the
+CPU and CUDA kernels both make, on metadata alone (dtypes, dims), with the CPU's message; checked
+at a plan miss (rgpu.plans.infer), so a repeated op pays nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._prims_common import canonicalize_dim
+
+from .errors import shown_briefly
+from .in_place_meta import C10_NAMES
+
+aten = torch.ops.aten
+_CPP_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+              torch.bfloat16: "c10::BFloat16"}  # fmt: skip
+
+
+def _name(dtype: torch.dtype) -> str:
+    return C10_NAMES.get(dtype, str(dtype))
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _matrices(args: tuple, kwargs: dict, first: int = 0) -> None:
+    a, b = _arg(args, kwargs, first, "self"), _arg(args, kwargs, first + 1, "mat2")
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+        raise RuntimeError(
+            "expected m1 and m2 to have the same dtype, but got: "
+            f"{_CPP_NAMES.get(a.dtype, _name(a.dtype))} != {_CPP_NAMES.get(b.dtype, _name(b.dtype))}"
+        )
+
+
+def _addmm(args: tuple, kwargs: dict) -> None:
+    _matrices(args, kwargs, first=1)
+
+
+def _mv(args: tuple, kwargs: dict, first: int = 0) -> None:
+    mat, vec = args[first], args[first + 1]
+    if mat.dtype != vec.dtype:
+        raise RuntimeError(
+            f"addmv input tensors must have the same dtype, but got {_name(mat.dtype)} and "
+            f"{_name(vec.dtype)}"
+        )
+
+
+def _convolution(args: tuple, kwargs: dict) -> None:
+    x, weight = args[0], args[1]
+    bias = _arg(args, kwargs, 2, "bias")
+    if weight.dtype != x.dtype:
+        raise RuntimeError(
+            f"Input type ({_CPP_NAMES.get(x.dtype, _name(x.dtype))}) and weight type "
+            f"({_CPP_NAMES.get(weight.dtype, _name(weight.dtype))}) should be the same"
+        )
+    if isinstance(bias, torch.Tensor) and bias.dtype != x.dtype:
+        raise RuntimeError(
+            f"Input type ({_CPP_NAMES.get(x.dtype, _name(x.dtype))}) and bias type "
+            f"({_CPP_NAMES.get(bias.dtype, _name(bias.dtype))}) should be the same"
+        )
+
+
+def _index_select(args: tuple, kwargs: dict) -> None:
+    index = _arg(args, kwargs, 2, "index")
+    if isinstance(index, torch.Tensor) and index.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError("index_select(): Expected dtype int32 or int64 for index")
+
+
+def _sort(args: tuple, kwargs: dict) -> None:
+    x = args[0]
+    dim = kwargs.get("dim", -1)
+    if len(args) > 1 and type(args[1]) is int:
+        dim = args[1]  # sort.default(self, dim, descending); sort.stable takes them by keyword
+    canonicalize_dim(max(x.dim(), 1), dim)  # IndexError: "Dimension out of range (...)"
+
+
+def _std_var(args: tuple, kwargs: dict) -> None:
+    x = args[0]
+    if not (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise RuntimeError("std and var only support floating point and complex dtypes")
+
+
+def _softmax(args: tuple, kwargs: dict) -> None:
+    x = args[0]
+    dtype = _arg(args, kwargs, 2, "dtype")  # softmax.int's; _softmax's third is half_to_float
+    if isinstance(dtype, torch.dtype):
+        if dtype.is_floating_point:
+            return
+    if not x.dtype.is_floating_point:
+        raise NotImplementedError(f"\"softmax\" not implemented for '{_name(x.dtype)}'")
+
+
+CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
+    aten.mm.default: _matrices,
+    aten.mm.out: _matrices,
+    aten.addmm.default: _addmm,
+    aten.addmm.out: _addmm,
+    aten.addmm_.default: _addmm,
+    aten.linear.default: lambda args, kwargs: _matrices(args, kwargs),
+    aten.mv.default: _mv,
+    aten.addmv.default: lambda args, kwargs: _mv(args, kwargs, first=1),
+    aten.convolution.default: _convolution,
+    aten.index_select.default: _index_select,
+    aten.sort.default: _sort,
+    aten.sort.stable: _sort,
+    aten.std.correction: _std_var,
+    aten.var.correction: _std_var,
+    aten.std_mean.correction: _std_var,
+    aten.var_mean.correction: _std_var,
+    aten._softmax.default: _softmax,
+    aten.softmax.int: _softmax,
+    aten.log_softmax.int: _softmax,
+    aten.matmul.default: _matrices,
+    aten._log_softmax.default: _softmax,
+}
+
+
+def check(func: Any, args: tuple, kwargs: dict) -> None:
+    found = CHECKS.get(func)
+    if found is not None:
+        try:
+            found(args, kwargs)
+        except (RuntimeError, IndexError, NotImplementedError) as e:
+            raise shown_briefly(e) from None
