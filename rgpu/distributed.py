@@ -148,6 +148,65 @@ class RgpuProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
+    def reduce(self, tensors: list, opts: Any = None) -> Any:
+        op = _reduce_name(opts.reduceOp) if opts is not None else "sum"
+        root = opts.rootRank if opts is not None else 0
+        self._post("reduce", list(tensors), list(tensors), {"op": op, "root": root})
+        return _done(list(tensors))
+
+    def gather(self, output_lists: list, inputs: list, opts: Any = None) -> Any:
+        if len(inputs) != 1:
+            raise ValueError("the rgpu backend gathers one tensor per rank")
+        outputs = list(output_lists[0]) if output_lists else []  # the root's; none elsewhere
+        root = opts.rootRank if opts is not None else 0
+        self._post("gather", [outputs, inputs[0]], [*outputs, inputs[0]], {"root": root})
+        return _done(output_lists)
+
+    def scatter(self, outputs: list, input_lists: list, opts: Any = None) -> Any:
+        if len(outputs) != 1:
+            raise ValueError("the rgpu backend scatters into one tensor per rank")
+        inputs = list(input_lists[0]) if input_lists else []  # the root's; none elsewhere
+        root = opts.rootRank if opts is not None else 0
+        self._post("scatter", [outputs[0], inputs], [outputs[0], *inputs], {"root": root})
+        return _done(outputs)
+
+    def alltoall_base(
+        self, output: Any, input: Any, out_splits: list, in_splits: list, opts: Any = None
+    ) -> Any:
+        options = {"out_splits": [int(n) for n in out_splits],
+                   "in_splits": [int(n) for n in in_splits]}  # fmt: skip
+        self._post("all_to_all_single", [output, input], [output, input], options)
+        return _done([output])
+
+    def alltoall(self, outputs: list, inputs: list, opts: Any = None) -> Any:
+        """`all_to_all` of tensor lists, as one `all_to_all_single` of their concatenation
+        (gloo has no list form): rows along dim 0, the rest of each tensor's shape alike."""
+        rows = {tuple(t.shape[1:]) for t in (*outputs, *inputs)}
+        if len(rows) > 1 or any(t.dim() == 0 for t in (*outputs, *inputs)):
+            raise ValueError(
+                "the rgpu backend exchanges tensors of one shape past dim 0 in all_to_all; use "
+                "all_to_all_single with split sizes"
+            )
+        flat_in = torch.cat([t.reshape(t.shape[0], -1) for t in inputs])
+        flat_out = torch.empty(
+            (sum(t.shape[0] for t in outputs), *flat_in.shape[1:]),
+            dtype=flat_in.dtype, device=flat_in.device,
+        )  # fmt: skip
+        self.alltoall_base(flat_out, flat_in, [t.shape[0] for t in outputs],
+                           [t.shape[0] for t in inputs])  # fmt: skip
+        for t, part in zip(outputs, flat_out.split([t.shape[0] for t in outputs])):
+            t.copy_(part.reshape(t.shape))
+        return _done(list(outputs))
+
+    def _point_to_point(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "the rgpu backend has no point-to-point send/recv: use broadcast, scatter or "
+            "all_to_all on rgpu tensors, or a gloo group for CPU tensors "
+            "(dist.new_group(backend='gloo'))"
+        )
+
+    send = recv = recv_anysource = _point_to_point
+
     def barrier(self, opts: Any = None) -> Any:
         self._post("barrier", [], [])
         self.session.synchronize(device=self.local)  # every rank's stream reached it

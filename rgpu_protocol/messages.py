@@ -297,6 +297,11 @@ COLLECTIVE_OPS = {
     "all_gather_into_tensor": "[output, input]: the ranks' inputs concatenated along dim 0",
     "reduce_scatter": "[output, [input, ...]]: output = the reduction of every rank's input r",
     "reduce_scatter_tensor": "[output, input]: output = the reduction of rank r's slice of input",
+    "reduce": "[tensor, ...]: the root rank's become the reduction of every rank's, in place",
+    "gather": "[[output, ...] (the root; [] elsewhere), input]: output k receives rank k's input",
+    "scatter": "[output, [input, ...] (the root; [] elsewhere)]: output = the root's input r",
+    "all_to_all_single": "[output, input]: rank r's slice k of input goes to slice r of rank k's "
+    "output (options: in_splits, out_splits, empty for equal slices along dim 0)",
     "barrier": "[]: every rank's stream reaches this point before any goes on",
 }
 REDUCE_OPS = ("sum", "product", "min", "max", "band", "bor", "bxor", "avg")  # options["op"]

@@ -74,7 +74,31 @@ def collectives(rank: int, world: int) -> dict:
     rst = torch.empty(2, device=dev)
     dist.reduce_scatter_tensor(rst, torch.arange(2.0 * world, device=dev) * (rank + 1))
     out["reduce_scatter_tensor"] = rst.tolist()
+    r = torch.full((2,), float(rank + 1), device=dev)
+    dist.reduce(r, dst=1, op=dist.ReduceOp.SUM)
+    out["reduce"] = r.tolist() if rank == 1 else None  # other ranks' are unspecified
+    wanted = [torch.empty(2, device=dev) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(2 * rank), device=dev), wanted, dst=0)
+    out["gather"] = [g.tolist() for g in wanted] if rank == 0 else None
+    mine = torch.empty(2, device=dev)
+    parts = [torch.full((2,), 10.0 * k, device=dev) for k in range(world)]
+    dist.scatter(mine, parts if rank == world - 1 else None, src=world - 1)
+    out["scatter"] = mine.tolist()
+    exchanged = torch.empty(2 * world, device=dev)
+    dist.all_to_all_single(exchanged, torch.arange(2.0 * world, device=dev) + 100 * rank)
+    out["all_to_all_single"] = exchanged.tolist()
+    uneven = torch.empty((rank + 1) * world, device=dev)  # rank k sends k + 1 to each rank
+    dist.all_to_all_single(uneven, torch.full((sum(range(1, world + 1)),), float(rank), device=dev),
+                           [rank + 1] * world, [k + 1 for k in range(world)])  # fmt: skip
+    out["all_to_all_uneven"] = uneven.tolist()
+    outs = [torch.empty(1, 2, device=dev) for _ in range(world)]
+    dist.all_to_all(outs, [torch.full((1, 2), 10.0 * rank + k, device=dev) for k in range(world)])
+    out["all_to_all"] = [o.tolist() for o in outs]
     dist.barrier()
+    try:
+        dist.send(torch.ones(2, device=dev), dst=(rank + 1) % world)
+    except NotImplementedError as e:
+        out["send"] = str(e)
     try:
         dist.all_reduce(torch.ones(2))  # a CPU tensor
     except ValueError as e:

@@ -59,3 +59,14 @@ def test_each_collective_computes_on_the_server(four, tmp_path):
         scale = sum(k + 1 for k in range(world))
         assert r["reduce_scatter_tensor"] == [float((2 * rank + i) * scale) for i in range(2)]
         assert "rgpu tensors" in r["cpu_tensor"]
+        if rank == 1:
+            assert r["reduce"] == [float(sum(k + 1 for k in range(world)))] * 2
+        if rank == 0:
+            assert r["gather"] == [[2.0 * k] * 2 for k in range(world)]
+        assert r["scatter"] == [10.0 * rank] * 2
+        assert r["all_to_all_single"] == [
+            100.0 * k + 2 * rank + i for k in range(world) for i in range(2)
+        ]
+        assert r["all_to_all_uneven"] == [float(k) for k in range(world) for _ in range(rank + 1)]
+        assert r["all_to_all"] == [[[10.0 * k + rank] * 2] for k in range(world)]
+        assert "no point-to-point" in r["send"]

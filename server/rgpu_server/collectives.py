@@ -114,6 +114,30 @@ def _reduce_op(options: dict) -> Any:
     return getattr(dist.ReduceOp, name.upper())
 
 
+def _reduce(pg: Any, tensors: list, root: int, options: dict) -> None:
+    opts = dist.ReduceOptions()
+    opts.rootRank = root
+    opts.reduceOp = _reduce_op(options)
+    pg.reduce(tensors, opts).wait()
+
+
+def _gather(pg: Any, tensors: list, root: int, options: dict) -> None:
+    outputs, input_ = tensors
+    opts = dist.GatherOptions()
+    opts.rootRank = root
+    pg.gather([outputs] if outputs else [], [input_], opts).wait()
+
+
+def _scatter(pg: Any, tensors: list, root: int, options: dict) -> None:
+    output, inputs = tensors
+    opts = dist.ScatterOptions()
+    opts.rootRank = root
+    pg.scatter([output], [inputs] if inputs else [], opts).wait()
+
+
+_ROOTED = {"reduce": _reduce, "gather": _gather, "scatter": _scatter}
+
+
 def run(pg: Any, op: str, tensors: list, options: dict) -> None:
     """One collective on this rank's tensors, waited for (a CPU collective) or ordered on the
     device's stream (NCCL)."""
@@ -137,6 +161,15 @@ def run(pg: Any, op: str, tensors: list, options: dict) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = _reduce_op(options)
         pg.allreduce(tensors, opts).wait()
+        return
+    if op in _ROOTED:
+        _ROOTED[op](pg, tensors, int(options.get("root", 0)), options)
+        return
+    if op == "all_to_all_single":
+        output, input_ = tensors
+        out_splits = [int(n) for n in options.get("out_splits", [])]
+        in_splits = [int(n) for n in options.get("in_splits", [])]
+        pg.alltoall_base(output, input_, out_splits, in_splits, dist.AllToAllOptions()).wait()
         return
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = _reduce_op(options)
