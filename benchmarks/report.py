@@ -326,7 +326,10 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
     if not docs:
         raise SystemExit("no results in benchmarks/results/: run without --write-only first")
     m = docs[0]["machine"]
-    dates = sorted(d["date"] for d in docs + [d for d in (pub_core, pub_lat) if d])
+    more = [(name, load(name)) for name in ("hf", "files", "replay")]  # report_more's sections
+    dates = sorted(
+        d["date"] for d in docs + [d for d in (pub_core, pub_lat, *(d for _, d in more)) if d]
+    )
     lines = [
         "# Benchmarks",
         "",
@@ -345,8 +348,8 @@ def write_markdown(out: Path = REPO / "BENCHMARKS.md", plots: Path = PLOTS) -> P
         + ", ".join(
             f"{name} at `{d['machine'].get('repo_commit', '?')}`"
             for name, d in (("core", core), ("training", training), ("compile", compile_),
-                            ("latency", lat), ("devices", devices))
-            if d
+                            ("latency", lat), ("devices", devices), *more)
+            if d and "machine" in d
         )
         + " (each with the working tree at the time).",
         "- **Published rgpu:** " + (
