@@ -8,7 +8,8 @@ in a tight loop from arguments prepared at DEFINE.
 
 Semantics are the RUNs' own, op by op: every op that is not plain (poisoned or missing inputs,
 seeded ops, a quota, expected layouts, refused names) goes through `execute.run` with the
-message its RUN would have been, and the fast path repeats `execute.run`'s hot path. A failure
+message its RUN would have been, and the fast path repeats `execute.run`'s hot path (stretches
+of such ops run as generated straight-line code: rgpu_server.replay_compiled). A failure
 inside a REPLAY poisons what the RUN would have poisoned; its Poison also carries the op's index
 in the REPLAY (`SessionState.replay_index`), so the client can name the line that queued it. A
 CANCEL reaching the REPLAY while it runs cancels its remaining ops, as it would their RUNs.
@@ -21,6 +22,7 @@ cannot give; docs/architecture.md, "Replayed steps", says what it would take.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from .execute import cancel as cancel_message
 from .execute import run, store
 from .ops import OpRefused, resolve
 from .poison import Poison, describe
+from .replay_compiled import cached as _compiled
 from .state import SessionState
 
 _OUT, _INPUT, _PARAM = SlotKind.OUT, SlotKind.INPUT, SlotKind.PARAM
@@ -48,13 +51,16 @@ _CONST = 3  # a CPU tensor the definition carries: a fresh copy every run, as de
 _RUN = int(Kind.RUN)
 _RUN_SPEC = SPECS[Kind.RUN]
 _NO_EXPECT = (None,) * 5  # what `store` reads when an op has no expected layouts
+# stretches of plain ops run as generated straight-line functions (replay_compiled);
+# RGPU_REPLAY_COMPILED=0 runs every op through the loop
+COMPILED = os.environ.get("RGPU_REPLAY_COMPILED", "1") != "0"
 
 
 class SeqOp:
     """One op of a sequence, prepared: its resolved operator and where the run's values go."""
 
     __slots__ = ("name", "resolved", "args", "kwargs", "fills", "copies", "outs", "expect",
-                 "nparams", "ninputs", "fast", "single", "simple")  # fmt: skip
+                 "nparams", "ninputs", "fast", "single", "simple", "one_tensor")  # fmt: skip
 
     def __init__(self, raw: Any) -> None:
         if type(raw) is not list or len(raw) != 5:
@@ -99,6 +105,7 @@ class SeqOp:
         r = self.resolved
         self.fast = r is not None and r.plain and expect is None
         self.single = len(outs) == 1 and outs[0] is not None
+        self.one_tensor = True  # False once its one output came back as something else
         # the common op: plain, tensors by id straight in args (no views, lists or scalars)
         self.simple = None
         if self.fast and all(f[0] == 0 and f[2] < 0 and f[3] <= _INPUT and f[5] is None
@@ -134,12 +141,13 @@ def _holds_slot(value: Any) -> bool:
 class Sequence:
     """A DEFINE'd sequence: its ops, and how many run inputs and params precede each op."""
 
-    __slots__ = ("ops", "inputs_at", "params_at")
+    __slots__ = ("ops", "inputs_at", "params_at", "compiled")
 
     def __init__(self, raw_ops: list) -> None:
         if not raw_ops or len(raw_ops) > MAX_SEQUENCE_OPS:
             raise ProtocolError(f"a DEFINE holds 1 to {MAX_SEQUENCE_OPS} ops")
         self.ops = [SeqOp(raw) for raw in raw_ops]
+        self.compiled: dict = {}  # (start, stop) -> (function or None, end): replay_compiled
         self.inputs_at = [0]
         self.params_at = [0]
         for op in self.ops:
@@ -253,13 +261,24 @@ def replay(s: SessionState, seq: int, msg: list) -> None:
     stream = s.stream
     plain = s.quota is None
     p = 0
+    compiled = COMPILED and plain
+    j = start
     try:
-        for j in range(start, stop):
+        while j < stop:
+            if compiled:
+                fn, end = _compiled(sequence, j, stop)
+                if fn is not None:
+                    j += _run_compiled(s, seq, sequence, fn, j, start, base, inputs)
+                    # stopped short (a missing or poisoned input, an interrupt, a failed op):
+                    # the loop takes the rest of this REPLAY, as it would have
+                    compiled = j == end
+                    continue
             if stream.cancel_upto >= seq:  # an interrupt: the ops not started are cancelled
                 _cancel_ops(s, seq, ops[j:stop], base, inputs, params, p)
                 return
             op = ops[j]
             s.replay_index = j - start
+            j += 1
             simple = op.simple
             if simple is not None and plain:  # the hot path, as execute.run's
                 args = op.args.copy()
@@ -274,11 +293,7 @@ def replay(s: SessionState, seq: int, msg: list) -> None:
                     try:
                         result = resolved.call(*args, **kwargs) if kwargs else resolved.call(*args)
                     except Exception as e:
-                        s.refs = {id(args[pos]): base + i if k == _OUT else inputs[i]
-                                  for pos, k, i in simple}  # fmt: skip
-                        written = s.written_ids(resolved, args, kwargs)
-                        s.refs = {}
-                        s.fail(resolved.label, describe(e), [*_outs(op, base), *written])
+                        _fail_simple(s, op, base, inputs, args, e)
                         continue
                     s.ops_run += 1
                     if op.single and type(result) is torch.Tensor:
@@ -314,6 +329,46 @@ def replay(s: SessionState, seq: int, msg: list) -> None:
                     s.refs = {}
     finally:
         s.replay_index = None
+
+
+def _fail_simple(
+    s: SessionState, op: SeqOp, base: int, inputs: list, args: list, e: Exception
+) -> None:
+    """A simple op raised: poison its outputs and the tensors it writes, as its RUN would."""
+    resolved = op.resolved
+    s.refs = {id(args[pos]): base + i if k == _OUT else inputs[i]
+              for pos, k, i in op.simple}  # fmt: skip
+    written = s.written_ids(resolved, args, op.kwargs)
+    s.refs = {}
+    s.fail(resolved.label, describe(e), [*_outs(op, base), *written])
+
+
+def _run_compiled(
+    s: SessionState, seq: int, sequence: Sequence, fn: Any, j: int, start: int, base: int,
+    inputs: list,
+) -> int:  # fmt: skip
+    """Run ops from `j` with their compiled stretch; how many it took (0: op j needs the loop).
+    An op that raised is failed here as the loop fails it, and counts as taken."""
+    tensors = s.tensors
+    ops = sequence.ops
+
+    def keep(k: int, result: Any) -> None:  # an output that is not one plain tensor
+        op = ops[k]
+        store(s, op.resolved, _NO_EXPECT, _outs(op, base), result)
+        op.one_tensor = False  # later stretches end before it
+        sequence.compiled.clear()
+
+    done, exc = fn(tensors, base, inputs, s.stream, seq, keep)
+    s.ops_run += done
+    if exc is None:
+        return done
+    op = ops[j + done]
+    s.replay_index = j + done - start
+    args = op.args.copy()
+    for pos, kind, index in op.simple:
+        args[pos] = tensors[base + index if kind == _OUT else inputs[index]]
+    _fail_simple(s, op, base, inputs, args, exc)
+    return done + 1
 
 
 def _cancel_ops(
