@@ -346,3 +346,24 @@ def test_an_interrupt_cancels_the_replayed_ops_the_server_has_not_started(sess, 
     with pytest.raises(rgpu.RemoteError, match="cancelled: an interrupt"):
         ys[-1].cpu()
     assert torch.equal((x + 1).cpu(), x.cpu() + 1)
+
+
+def test_compiled_stretches_give_what_the_loop_gives(sess, start_server):
+    """The server runs stretches of plain ops as generated code (RGPU_REPLAY_COMPILED, on by
+    default); off, every op goes through the loop: training, a failure midway and what it
+    poisons are the same either way, and the same as RUNs."""
+    results = {}
+    for compiled in ("1", "0"):
+        srv = start_server("--threads", "1", env={"RGPU_REPLAY_COMPILED": compiled})
+        rgpu.connect(srv.url)
+        replaying(True)
+        ops0 = rgpu.stats()["replayed_ops"]
+        losses, params = lm_training("rgpu", dropout=0.0)
+        values, error, again = failing_steps(4)
+        assert rgpu.stats()["replayed_ops"] - ops0 > 100
+        results[compiled] = (losses, params, values, error.remote_message, again.remote_message)
+        rgpu.disconnect()
+    on, off = results["1"], results["0"]
+    assert on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1], off[1]))
+    assert on[2:] == off[2:] and len(on[2]) == 4
+    assert on[0] == lm_training("cpu", dropout=0.0)[0]

@@ -44,6 +44,7 @@ from .execute import run, store
 from .ops import OpRefused, resolve
 from .poison import Poison, describe
 from .replay_compiled import cached as _compiled
+from .replay_compiled import forget as _forget_compiled
 from .state import SessionState
 
 _OUT, _INPUT, _PARAM = SlotKind.OUT, SlotKind.INPUT, SlotKind.PARAM
@@ -141,13 +142,14 @@ def _holds_slot(value: Any) -> bool:
 class Sequence:
     """A DEFINE'd sequence: its ops, and how many run inputs and params precede each op."""
 
-    __slots__ = ("ops", "inputs_at", "params_at", "compiled")
+    __slots__ = ("ops", "inputs_at", "params_at", "compiled", "stretch_ends")
 
     def __init__(self, raw_ops: list) -> None:
         if not raw_ops or len(raw_ops) > MAX_SEQUENCE_OPS:
             raise ProtocolError(f"a DEFINE holds 1 to {MAX_SEQUENCE_OPS} ops")
         self.ops = [SeqOp(raw) for raw in raw_ops]
-        self.compiled: dict = {}  # (start, stop) -> (function or None, end): replay_compiled
+        self.compiled: dict = {}  # (start, end) -> its stretch's function: replay_compiled
+        self.stretch_ends: list[int] = []  # per op: where the stretch from it ends
         self.inputs_at = [0]
         self.params_at = [0]
         for op in self.ops:
@@ -356,7 +358,7 @@ def _run_compiled(
         op = ops[k]
         store(s, op.resolved, _NO_EXPECT, _outs(op, base), result)
         op.one_tensor = False  # later stretches end before it
-        sequence.compiled.clear()
+        _forget_compiled(sequence)
 
     done, exc = fn(tensors, base, inputs, s.stream, seq, keep)
     s.ops_run += done

@@ -41,6 +41,12 @@ def stretch(ops: list, start: int, stop: int) -> int:
     return end
 
 
+def forget(sequence: Any) -> None:
+    """An op stopped being compilable: the stretches are built again."""
+    sequence.compiled.clear()
+    sequence.stretch_ends.clear()
+
+
 def build(ops: list, start: int, end: int) -> Any:
     """The function running ops[start:end]: (tensors, base, inputs, stream, seq, store) ->
     (ops done, the exception of the next op or None)."""
@@ -85,13 +91,19 @@ def build(ops: list, start: int, end: int) -> Any:
 
 
 def cached(sequence: Any, start: int, stop: int) -> tuple[Any, int]:
-    """(the compiled function for the stretch from `start`, its end), or (None, start)."""
-    key = (start, stop)
-    hit = sequence.compiled.get(key)
-    if hit is None:
-        end = stretch(sequence.ops, start, stop)
-        fn = build(sequence.ops, start, end) if end - start >= MIN_OPS else None
+    """(the compiled function for the stretch from `start`, its end), or (None, start): too
+    short, or the sequence holds as many compiled stretches as it may (the loop runs it)."""
+    ends = sequence.stretch_ends
+    if not ends:
+        ops = sequence.ops
+        ends.extend(stretch(ops, k, len(ops)) for k in range(len(ops)))
+    end = min(ends[start], stop)
+    if end - start < MIN_OPS:
+        return None, start
+    key = (start, end)
+    fn = sequence.compiled.get(key)
+    if fn is None:
         if len(sequence.compiled) >= _MAX_CACHED:
-            sequence.compiled.clear()
-        hit = sequence.compiled[key] = (fn, end)
-    return hit
+            return None, start
+        fn = sequence.compiled[key] = build(sequence.ops, start, end)
+    return fn, end
