@@ -97,6 +97,14 @@ def _softmax(args: tuple, kwargs: dict) -> None:
         raise NotImplementedError(f"\"softmax\" not implemented for '{_name(x.dtype)}'")
 
 
+def _nll_target(args: tuple, kwargs: dict) -> None:
+    target = _arg(args, kwargs, 1, "target")
+    if isinstance(target, torch.Tensor) and target.dtype not in (torch.int64, torch.uint8):
+        raise RuntimeError(
+            f"expected target dtype to be Long or Byte, but got {_name(target.dtype)}"
+        )
+
+
 CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     aten.mm.default: _matrices,
     aten.mm.out: _matrices,
@@ -119,6 +127,8 @@ CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     aten.log_softmax.int: _softmax,
     aten.matmul.default: _matrices,
     aten._log_softmax.default: _softmax,
+    aten.nll_loss_forward.default: _nll_target,
+    aten.nll_loss2d_forward.default: _nll_target,
 }
 
 

@@ -261,8 +261,14 @@ REFUSED_BY_EVERY_KERNEL = {
     "cross_entropy-of-int64": lambda d: torch.nn.functional.cross_entropy(
         torch.ones(2, 3, dtype=torch.long, device=d), torch.zeros(2, dtype=torch.long, device=d)
     ),
+    "cross_entropy-int32-targets": lambda d: torch.nn.functional.cross_entropy(
+        torch.ones(2, 3, device=d), torch.zeros(2, dtype=torch.int32, device=d)
+    ),
+    "nll_loss2d-int32-targets": lambda d: torch.nn.functional.nll_loss(
+        torch.ones(2, 3, 4, 4, device=d), torch.zeros(2, 4, 4, dtype=torch.int32, device=d)
+    ),
 }
-SAME_MESSAGE = {"mm-dtypes", "matmul-dtypes", "linear-dtypes", "index_select-float-index", "sort-dim",
+SAME_MESSAGE = {"cross_entropy-int32-targets", "nll_loss2d-int32-targets", "mm-dtypes", "matmul-dtypes", "linear-dtypes", "index_select-float-index", "sort-dim",
                 "std-of-int64"}  # fmt: skip
 
 
