@@ -105,6 +105,61 @@ def _nll_target(args: tuple, kwargs: dict) -> None:
         )
 
 
+def _long_index(op: str, index: Any) -> None:
+    if isinstance(index, torch.Tensor) and index.dtype != torch.int64:
+        raise RuntimeError(
+            f"{op}(): Expected a long tensor for index, but got {_name(index.dtype)}"
+        )
+
+
+def _index_copy(args: tuple, kwargs: dict) -> None:
+    self, index, source = args[0], _arg(args, kwargs, 2, "index"), _arg(args, kwargs, 3, "source")
+    _long_index("index_copy_", index)
+    if isinstance(source, torch.Tensor) and source.dtype != self.dtype:
+        raise RuntimeError(
+            "index_copy_(): self and source expected to have the same dtype, but got (self) "
+            f"{_name(self.dtype)} and (source) {_name(source.dtype)}"
+        )
+
+
+def _index_add(args: tuple, kwargs: dict) -> None:
+    self, index, source = args[0], _arg(args, kwargs, 2, "index"), _arg(args, kwargs, 3, "source")
+    if isinstance(index, torch.Tensor) and index.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(
+            f"index_add_(): Expected dtype int32/int64 for index but got: {_name(index.dtype)}"
+        )
+    if isinstance(source, torch.Tensor) and source.dtype != self.dtype:
+        raise RuntimeError(
+            f"index_add_(): self ({_name(self.dtype)}) and source ({_name(source.dtype)}) must "
+            "have the same scalar type"
+        )
+
+
+def _index_fill(args: tuple, kwargs: dict) -> None:
+    index = _arg(args, kwargs, 2, "index")
+    if isinstance(index, torch.Tensor) and index.dtype != torch.int64:
+        raise IndexError("index_fill_(): Expected dtype int64 for index.")
+
+
+def _index_put(args: tuple, kwargs: dict) -> None:
+    self, values = args[0], _arg(args, kwargs, 2, "values")
+    if isinstance(values, torch.Tensor) and values.dtype != self.dtype:
+        raise RuntimeError(
+            "Index put requires the source and destination dtypes match, got "
+            f"{_name(self.dtype)} for the destination and {_name(values.dtype)} for the source."
+        )
+
+
+def _put(args: tuple, kwargs: dict) -> None:
+    self, index, source = args[0], _arg(args, kwargs, 1, "index"), _arg(args, kwargs, 2, "source")
+    if isinstance(source, torch.Tensor) and source.dtype != self.dtype:
+        raise RuntimeError(
+            "put_(): self and source expected to have the same dtype, but got self.dtype = "
+            f"{_name(self.dtype)} and source.dtype = {_name(source.dtype)}"
+        )
+    _long_index("put_", index)
+
+
 CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     aten.mm.default: _matrices,
     aten.mm.out: _matrices,
@@ -129,6 +184,21 @@ CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     aten._log_softmax.default: _softmax,
     aten.nll_loss_forward.default: _nll_target,
     aten.nll_loss2d_forward.default: _nll_target,
+    # in-place writes: refused at the op, the tensor they would write is left as it was (failed
+    # on the server, the op poisoned it though nothing was written)
+    aten.index_copy_.default: _index_copy,
+    aten.index_copy.default: _index_copy,
+    aten.index_add_.default: _index_add,
+    aten.index_add.default: _index_add,
+    aten.index_fill_.int_Scalar: _index_fill,
+    aten.index_fill_.int_Tensor: _index_fill,
+    aten.index_fill.int_Scalar: _index_fill,
+    aten.index_fill.int_Tensor: _index_fill,
+    aten.index_put_.default: _index_put,
+    aten.index_put.default: _index_put,
+    aten._index_put_impl_.default: _index_put,
+    aten.put_.default: _put,
+    aten.put.default: _put,
 }
 
 

@@ -268,7 +268,21 @@ REFUSED_BY_EVERY_KERNEL = {
         torch.ones(2, 3, 4, 4, device=d), torch.zeros(2, 4, 4, dtype=torch.int32, device=d)
     ),
 }
-SAME_MESSAGE = {"cross_entropy-int32-targets", "nll_loss2d-int32-targets", "mm-dtypes", "matmul-dtypes", "linear-dtypes", "index_select-float-index", "sort-dim",
+_IDX = (lambda d: torch.tensor([0], device=d), lambda d: torch.tensor([0.0], device=d))
+WRITES_REFUSED = {  # (target) -> the in-place op on it
+    "index_copy_-dtype": lambda x, d: x.index_copy_(0, _IDX[0](d), torch.ones(1, dtype=_F64, device=d)),
+    "index_copy_-index": lambda x, d: x.index_copy_(0, _IDX[1](d), torch.ones(1, device=d)),
+    "index_add_-dtype": lambda x, d: x.index_add_(0, _IDX[0](d), torch.ones(1, dtype=_F64, device=d)),
+    "index_add_-index": lambda x, d: x.index_add_(0, _IDX[1](d), torch.ones(1, device=d)),
+    "index_fill_-index": lambda x, d: x.index_fill_(0, _IDX[1](d), 1.0),
+    "index_put_-dtype": lambda x, d: x.index_put_((_IDX[0](d),), torch.ones(1, dtype=_F64, device=d)),
+    "setitem-dtype": lambda x, d: x.__setitem__(_IDX[0](d), torch.ones(1, dtype=_F64, device=d)),
+    "put_-dtype": lambda x, d: x.put_(_IDX[0](d), torch.ones(1, dtype=_F64, device=d)),
+}  # fmt: skip
+REFUSED_BY_EVERY_KERNEL.update(
+    {k: (lambda d, w=w: w(torch.arange(3.0, device=d), d)) for k, w in WRITES_REFUSED.items()}
+)
+SAME_MESSAGE = {*WRITES_REFUSED, "cross_entropy-int32-targets", "nll_loss2d-int32-targets", "mm-dtypes", "matmul-dtypes", "linear-dtypes", "index_select-float-index", "sort-dim",
                 "std-of-int64"}  # fmt: skip
 
 
@@ -296,3 +310,12 @@ def test_the_variants_every_kernel_takes_still_run(dev):
     assert torch.equal(torch.sort(x, dim=-2).values.cpu(), torch.sort(x.cpu(), dim=-2).values)
     assert torch.equal(x.index_select(1, torch.tensor([2, 0], dtype=torch.int32, device=dev)).cpu(),
                        x.cpu().index_select(1, torch.tensor([2, 0], dtype=torch.int32)))  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(WRITES_REFUSED))
+def test_an_in_place_write_every_kernel_refuses_leaves_its_tensor_as_it_was(dev, case):
+    """Sent, it failed on the server and poisoned the tensor it would have written."""
+    x = torch.arange(3.0, device=dev)
+    with pytest.raises((RuntimeError, IndexError)):
+        WRITES_REFUSED[case](x, dev)
+    assert x.cpu().tolist() == [0.0, 1.0, 2.0]
