@@ -153,10 +153,8 @@ class RemoteTensor(torch.Tensor):
             return _dispatch(func, args, kwargs)
         except Exception as e:
             if not backward_errors.in_backward() or backward_errors.nested(_DISPATCH_CODE):
-                # the error outlives the call (IPython keeps the last one): rgpu's frames in its
-                # traceback would keep the op's arguments alive, and with them the tensors and
-                # autograd graph they hold (a parameter then could not be moved, memory not
-                # freed), where a CPU or CUDA op's error holds none. The lines stay
+                # IPython keeps the last error: rgpu's frames in it held the op's arguments, their
+                # memory and autograd graph (a CPU op's error holds none). The lines stay
                 traceback.clear_frames(e.__traceback__)
                 args = kwargs = None  # noqa: F841  (this frame is still running)
                 raise
