@@ -17,6 +17,7 @@ from . import current as _cur
 from . import default_dtype as _default_dtype
 from . import devices as _devices
 from . import keys as _keys
+from . import shared_memory as _shared_memory
 from . import storage_ids as _storage_ids
 from . import tensor as _tensor
 from .plans import (
@@ -139,6 +140,8 @@ def dispatch(func, args: tuple, kwargs: dict | None) -> Any:
         out = run_dynamic(func, info, args, kwargs, sess, dev, where)
         plans[key] = plan_from_outputs(out)
         return out
+    if plan.shared is not None and _shared_memory.overlap(plan.shared, args, kwargs):
+        return run_dynamic(func, info, args, kwargs, sess, dev, where)  # the kernel decides
     single = plan.single_key
     if single is not None:
         out = wrap_dense(sess, single, dev) if plan.dense else wrap(sess, single, dev)

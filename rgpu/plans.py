@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from rgpu_protocol import TensorMeta, written_returns
 
-from . import fast_meta, in_place_meta, meta_checks, meta_fixes, same_device
+from . import fast_meta, in_place_meta, meta_checks, meta_fixes, same_device, shared_memory
 from . import tensor as _tensor
 from .errors import shown_briefly
 from .tensor import (
@@ -185,7 +185,7 @@ VALUE = 4
 class Plan:
     """Cached result of meta inference for one key: how to build the outputs and out ids."""
 
-    __slots__ = ("spec", "patches", "expect", "single_key", "view", "dense")
+    __slots__ = ("spec", "patches", "expect", "single_key", "view", "dense", "shared")
 
     def __init__(self, spec, patches, expect, single_key, view=False) -> None:
         self.spec = spec  # nested (kind, payload) mirroring the op's result
@@ -195,6 +195,8 @@ class Plan:
         self.view = view  # outputs are views of argument 0: made locally, nothing is sent
         # the single output is a plain contiguous tensor (`wrap_dense` makes it)
         self.dense = single_key is not None and _tensor.is_dense_key(single_key)
+        # (written, read) argument pairs whose memory may be shared (rgpu.shared_memory)
+        self.shared: tuple | None = None
 
 
 def _to_meta(x: Any, path: tuple, paths: dict, memo: dict) -> Any:
@@ -290,7 +292,10 @@ def infer(func, info: OpInfo, args: tuple, kwargs: dict, sess) -> Any:
         expect = [TensorMeta(k[0], k[1], k[2], k[3], bool(k[5] & 1), bool(k[5] & 2)) if k is not None else None
                   for k in _flat_new_keys(spec)]  # fmt: skip
     single = spec[1] if spec[0] == NEW and not patches and expect is None else None
-    return Plan(spec, patches, expect, single)
+    plan = Plan(spec, patches, expect, single)
+    if info.write_rets:
+        plan.shared = shared_memory.pairs_to_check(info.write_rets, args, kwargs)
+    return plan
 
 
 def _writes_overlapping(info: OpInfo, margs: tuple, mkwargs: dict) -> bool:

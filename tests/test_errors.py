@@ -319,3 +319,45 @@ def test_an_in_place_write_every_kernel_refuses_leaves_its_tensor_as_it_was(dev,
     with pytest.raises((RuntimeError, IndexError)):
         WRITES_REFUSED[case](x, dev)
     assert x.cpu().tolist() == [0.0, 1.0, 2.0]
+
+
+OVERLAPPING_WRITES = {
+    "index_add_-of-itself": lambda x, d: x.index_add_(0, torch.tensor([0, 1, 3], device=d), x[:3]),
+    "shifted-add_": lambda x, d: x[1:].add_(x[:-1]),
+    "out=-into-its-input": lambda x, d: torch.mul(x[1:], 2, out=x[:-1]),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAPPING_WRITES))
+def test_a_write_into_memory_its_input_reads_is_refused_at_the_op(dev, counted, case):
+    """Every kernel refuses it before writing; sent like any op, the refusal came at a later
+    wait and the tensor was poisoned. Now one wait, at the op, and the tensor is intact."""
+    write = OVERLAPPING_WRITES[case]
+    with pytest.raises(RuntimeError, match="unsupported operation: some elements") as cpu:
+        write(torch.arange(12.0), "cpu")
+    x = torch.arange(12.0, device=dev)
+    with pytest.raises(RuntimeError) as remote:
+        write(x, dev)
+    assert str(cpu.value) in str(remote.value)
+    assert counted()["waits"] == 1
+    assert x.cpu().tolist() == torch.arange(12.0).tolist()
+
+
+def test_writes_the_kernels_take_from_shared_memory_run_as_on_the_cpu(dev, counted):
+    """Columns of one tensor (PyTorch cannot tell overlap there, and checks nothing), disjoint
+    halves, a tensor and itself, a tensor and a view of all of it: computed as on the CPU, and
+    only the last waits (another tensor over the same memory: the server's kernel decides)."""
+    cases = [
+        (lambda x: x.view(4, 3)[:, 2].sub_(x.view(4, 3)[:, 0]), 0),
+        (lambda x: x.mul_(x), 0),
+        (lambda x: x[:6].add_(x[6:]), 0),
+        (lambda x: x.add_(x[:]), 1),
+    ]
+    for write, waits in cases:
+        ref = torch.arange(12.0)
+        write(ref)
+        x = torch.arange(12.0, device=dev)
+        before = counted()["waits"]
+        write(x)
+        assert counted()["waits"] - before == waits
+        assert x.cpu().tolist() == ref.tolist()
