@@ -240,15 +240,21 @@ def test_an_error_kept_by_the_notebook_keeps_no_argument_alive(dev):
 
 _F64 = torch.float64
 REFUSED_BY_EVERY_KERNEL = {
-    "mm-dtypes": lambda d: torch.mm(torch.ones(2, 3, device=d), torch.ones(3, 2, dtype=_F64, device=d)),
+    "mm-dtypes": lambda d: torch.mm(
+        torch.ones(2, 3, device=d), torch.ones(3, 2, dtype=_F64, device=d)
+    ),
     "matmul-dtypes": lambda d: torch.ones(2, 3, device=d) @ torch.ones(3, 2, dtype=_F64, device=d),
     "linear-dtypes": lambda d: torch.nn.functional.linear(
         torch.ones(2, 3, device=d), torch.ones(2, 3, dtype=_F64, device=d)
     ),
     "addmm-dtypes": lambda d: torch.addmm(
-        torch.ones(2, 2, device=d), torch.ones(2, 3, device=d), torch.ones(3, 2, dtype=_F64, device=d)
+        torch.ones(2, 2, device=d),
+        torch.ones(2, 3, device=d),
+        torch.ones(3, 2, dtype=_F64, device=d),
     ),
-    "mv-dtypes": lambda d: torch.mv(torch.ones(2, 3, device=d), torch.ones(3, dtype=_F64, device=d)),
+    "mv-dtypes": lambda d: torch.mv(
+        torch.ones(2, 3, device=d), torch.ones(3, dtype=_F64, device=d)
+    ),
     "conv-dtypes": lambda d: torch.nn.functional.conv2d(
         torch.ones(1, 1, 4, 4, device=d), torch.ones(1, 1, 3, 3, dtype=_F64, device=d)
     ),
@@ -303,7 +309,9 @@ def test_what_every_kernel_refuses_is_refused_at_the_op(dev, counted, case):
 
 def test_the_variants_every_kernel_takes_still_run(dev):
     x = torch.arange(6, device=dev).reshape(2, 3)
-    assert torch.equal(x.softmax(1, dtype=torch.float32).cpu(), x.cpu().softmax(1, dtype=torch.float32))
+    assert torch.equal(
+        x.softmax(1, dtype=torch.float32).cpu(), x.cpu().softmax(1, dtype=torch.float32)
+    )
     a = torch.randn(2, 3, dtype=torch.bfloat16)
     b = torch.randn(3, 2, dtype=torch.bfloat16)
     assert torch.equal((a.to(dev) @ b.to(dev)).cpu(), a @ b)
