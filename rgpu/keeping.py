@@ -145,6 +145,7 @@ class SessionEntry:
     kept: tuple[str, ...]
     seconds_left: float | None  # before a detached session is freed
     current: bool  # this process's session
+    server: str = ""  # the URL of the server that holds it
 
     def describe(self) -> str:
         left = "" if self.seconds_left is None else f", {self.seconds_left / 3600:.1f} h left"
@@ -153,7 +154,7 @@ class SessionEntry:
 
 
 def sessions() -> list[SessionEntry]:
-    """This token's sessions on the server (the current one's server)."""
+    """This token's sessions on every server of the device list (the current one's first)."""
     return [
         SessionEntry(
             e["name"],
@@ -165,8 +166,10 @@ def sessions() -> list[SessionEntry]:
             tuple(e["kept"]),
             e["seconds_left"],
             e["current"],
+            sess.url,
         )  # fmt: skip
-        for e in _ask((Kind.SESSIONS,))
+        for sess in _cur.sessions() or [_cur.current()]
+        for e in _ask((Kind.SESSIONS,), sess)
     ]
 
 
@@ -177,4 +180,14 @@ def drop_session(name: str) -> None:
     if sess is not None and sess.name == name:
         _cur.disconnect(drop=True)
         return
-    _ask((Kind.DROP_SESSION, name))
+    refused: KeepError | None = None
+    for sess in _cur.sessions() or [_cur.current()]:  # with several servers: the one holding it
+        try:
+            _ask((Kind.DROP_SESSION, name), sess)
+            return
+        except KeepError as e:
+            if "has no session named" not in str(e):
+                raise
+            refused = refused or e
+    if refused is not None:
+        raise refused

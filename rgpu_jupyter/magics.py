@@ -283,12 +283,14 @@ class RgpuMagics(Magics, Configurable):
             entries = rgpu.sessions()
         except rgpu.RgpuError as e:
             raise UsageError(f"rgpu: {hint(str(e))}") from None
+        several = len({e.server for e in entries}) > 1
         for e in entries:
             left = "" if e.seconds_left is None else f", {format_left(e.seconds_left)} left"
             mark = "* " if e.current else "  "
+            where = f" on {e.server}" if several else ""
             print(
-                f"{mark}{e.name or '(unnamed ' + e.session + ')'}: {e.state} since {e.since}, "
-                f"{plural(e.tensors, 'tensor')}, {format_bytes(e.bytes)}, "
+                f"{mark}{e.name or '(unnamed ' + e.session + ')'}{where}: {e.state} since "
+                f"{e.since}, {plural(e.tensors, 'tensor')}, {format_bytes(e.bytes)}, "
                 f"kept: {', '.join(e.kept) or 'nothing'}{left}"
             )
 

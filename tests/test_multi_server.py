@@ -103,6 +103,10 @@ def test_percent_rgpu_connect_takes_several_urls_and_status_lists_devices(two, c
         ip.run_line_magic("rgpu", "status")
         out = capsys.readouterr().out
         assert "rgpu:0" in out and "rgpu:1" in out and "rgpu:2" in out
+        ip.run_line_magic("rgpu", "sessions")  # one line per server's session, naming it
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert len(lines) == 2 and all(line.startswith("* ") for line in lines)
+        assert f"on {a.url}:" in lines[0] and f"on {b.url}:" in lines[1]
         from rgpu_jupyter.widget import session_view
 
         view = session_view()
@@ -198,3 +202,20 @@ def test_keep_and_save_go_to_the_server_holding_the_tensors(tmp_path):
         rgpu.disconnect()
         a.stop()
         b.stop()
+
+
+def test_sessions_and_drop_session_reach_every_server(two):
+    """With several servers, `rgpu.sessions()` listed only the first server's sessions and
+    `drop_session` asked only it."""
+    a, b = two
+    rgpu.connect(b.url, session="held")
+    rgpu.keep("t", torch.ones(3, device="rgpu"))
+    rgpu.disconnect()  # detached on b, with what it keeps
+    rgpu.connect([a.url, b.url])
+    entries = rgpu.sessions()
+    assert [(e.name, e.server, e.kept) for e in entries if not e.current] == [("held", b.url, ("t",))]
+    assert sorted(e.server for e in entries if e.current) == sorted([a.url, b.url])
+    rgpu.drop_session("held")
+    assert [e.name for e in rgpu.sessions() if not e.current] == []
+    with pytest.raises(rgpu.keeping.KeepError, match="no session named 'held'"):
+        rgpu.drop_session("held")
