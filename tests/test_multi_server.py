@@ -213,7 +213,9 @@ def test_sessions_and_drop_session_reach_every_server(two):
     rgpu.disconnect()  # detached on b, with what it keeps
     rgpu.connect([a.url, b.url])
     entries = rgpu.sessions()
-    assert [(e.name, e.server, e.kept) for e in entries if not e.current] == [("held", b.url, ("t",))]
+    assert [(e.name, e.server, e.kept) for e in entries if not e.current] == [
+        ("held", b.url, ("t",))
+    ]
     assert sorted(e.server for e in entries if e.current) == sorted([a.url, b.url])
     rgpu.drop_session("held")
     assert [e.name for e in rgpu.sessions() if not e.current] == []
