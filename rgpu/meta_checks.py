@@ -112,14 +112,18 @@ def _long_index(op: str, index: Any) -> None:
         )
 
 
+def _same_dtype(self: torch.Tensor, source: Any, message: str) -> None:
+    """The CPU's refusal of a written source of another dtype; `message` names the two dtypes
+    as {self} and {source}."""
+    if isinstance(source, torch.Tensor) and source.dtype != self.dtype:
+        raise RuntimeError(message.format(self=_name(self.dtype), source=_name(source.dtype)))
+
+
 def _index_copy(args: tuple, kwargs: dict) -> None:
     self, index, source = args[0], _arg(args, kwargs, 2, "index"), _arg(args, kwargs, 3, "source")
     _long_index("index_copy_", index)
-    if isinstance(source, torch.Tensor) and source.dtype != self.dtype:
-        raise RuntimeError(
-            "index_copy_(): self and source expected to have the same dtype, but got (self) "
-            f"{_name(self.dtype)} and (source) {_name(source.dtype)}"
-        )
+    _same_dtype(self, source, "index_copy_(): self and source expected to have the same dtype, "
+                "but got (self) {self} and (source) {source}")  # fmt: skip
 
 
 def _index_add(args: tuple, kwargs: dict) -> None:
@@ -128,11 +132,8 @@ def _index_add(args: tuple, kwargs: dict) -> None:
         raise RuntimeError(
             f"index_add_(): Expected dtype int32/int64 for index but got: {_name(index.dtype)}"
         )
-    if isinstance(source, torch.Tensor) and source.dtype != self.dtype:
-        raise RuntimeError(
-            f"index_add_(): self ({_name(self.dtype)}) and source ({_name(source.dtype)}) must "
-            "have the same scalar type"
-        )
+    _same_dtype(self, source, "index_add_(): self ({self}) and source ({source}) must have the "
+                "same scalar type")  # fmt: skip
 
 
 def _index_fill(args: tuple, kwargs: dict) -> None:
@@ -142,21 +143,15 @@ def _index_fill(args: tuple, kwargs: dict) -> None:
 
 
 def _index_put(args: tuple, kwargs: dict) -> None:
-    self, values = args[0], _arg(args, kwargs, 2, "values")
-    if isinstance(values, torch.Tensor) and values.dtype != self.dtype:
-        raise RuntimeError(
-            "Index put requires the source and destination dtypes match, got "
-            f"{_name(self.dtype)} for the destination and {_name(values.dtype)} for the source."
-        )
+    _same_dtype(args[0], _arg(args, kwargs, 2, "values"), "Index put requires the source and "
+                "destination dtypes match, got {self} for the destination and {source} for the "
+                "source.")  # fmt: skip
 
 
 def _put(args: tuple, kwargs: dict) -> None:
     self, index, source = args[0], _arg(args, kwargs, 1, "index"), _arg(args, kwargs, 2, "source")
-    if isinstance(source, torch.Tensor) and source.dtype != self.dtype:
-        raise RuntimeError(
-            "put_(): self and source expected to have the same dtype, but got self.dtype = "
-            f"{_name(self.dtype)} and source.dtype = {_name(source.dtype)}"
-        )
+    _same_dtype(self, source, "put_(): self and source expected to have the same dtype, but got "
+                "self.dtype = {self} and source.dtype = {source}")  # fmt: skip
     _long_index("put_", index)
 
 
