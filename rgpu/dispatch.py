@@ -206,10 +206,16 @@ def _trace_non_aten(func, args: tuple, kwargs: dict) -> Any:
         return run_traced(func, args, kwargs)
 
 
-def _any_traced(args: tuple, kwargs: dict) -> bool:
-    return any(
-        isinstance(a, RemoteTensor) and a._r is TRACED for a in pytree.tree_leaves((args, kwargs))
-    )
+def _any_traced(args: Any, kwargs: dict | None = None) -> bool:
+    # aten arguments nest one level at most (Tensor[], Tensor?[]): no pytree walk, which cost
+    # more than the rest of a small upload
+    for a in args:
+        if isinstance(a, RemoteTensor):
+            if a._r is TRACED:
+                return True
+        elif (type(a) is list or type(a) is tuple) and _any_traced(a):
+            return True
+    return bool(kwargs) and _any_traced(tuple(kwargs.values()))
 
 
 def run_traced(func, args: tuple, kwargs: dict) -> Any:

@@ -68,7 +68,7 @@ def new_storage_key(dtype: torch.dtype, shape: tuple, stride: tuple, offset: int
 def check_copy_fits(dst: Any, src: Any, where: str) -> None:
     """`dst.copy_(src)` broadcasts `src` to `dst`'s shape: refuse it as torch does when it can't."""
     try:
-        fits = torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
+        fits = src.shape == dst.shape or torch.broadcast_shapes(src.shape, dst.shape) == dst.shape
     except RuntimeError:
         fits = False
     if not fits:

@@ -125,7 +125,7 @@ def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
         raise RuntimeError(
             f"cannot copy a {src.device.type} tensor to rgpu directly; move it to the CPU first"
         )
-    if torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
+    if src.shape != dst.shape and torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
         raise RuntimeError(
             f"The size of tensor a ({list(dst.shape)}) must match the size of tensor b ({list(src.shape)}) "
             "for copy_ into an rgpu tensor"
