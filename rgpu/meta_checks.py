@@ -40,7 +40,27 @@ def _matrices(args: tuple, kwargs: dict, first: int = 0) -> None:
 
 
 def _addmm(args: tuple, kwargs: dict) -> None:
-    _matrices(args, kwargs, first=1)
+    # addmm's own checks (LinearAlgebra.cpp, every device): the added tensor, then the factors
+    mat1, mat2 = _arg(args, kwargs, 1, "mat1"), _arg(args, kwargs, 2, "mat2")
+    _same_as_mat2("self", args[0], mat2)
+    _same_as_mat2("mat1", mat1, mat2)
+
+
+def _same_as_mat2(what: str, a: Any, mat2: Any) -> None:
+    if isinstance(a, torch.Tensor) and isinstance(mat2, torch.Tensor) and a.dtype != mat2.dtype:
+        raise RuntimeError(
+            f"{what} and mat2 must have the same dtype, but got {_name(a.dtype)} and "
+            f"{_name(mat2.dtype)}"
+        )
+
+
+def _linear(args: tuple, kwargs: dict) -> None:
+    """With a bias, `linear` of a matrix or a batch of them is `addmm(bias, x, weight.t())`."""
+    x, weight, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
+    if isinstance(bias, torch.Tensor) and x.dim() >= 2:
+        _same_as_mat2("self", bias, weight)
+        _same_as_mat2("mat1", x, weight)
+    _matrices(args, kwargs)
 
 
 def _mv(args: tuple, kwargs: dict, first: int = 0) -> None:
@@ -89,6 +109,9 @@ def _std_var(args: tuple, kwargs: dict) -> None:
 
 def _softmax(args: tuple, kwargs: dict) -> None:
     x = args[0]
+    dim = _arg(args, kwargs, 1, "dim")
+    if type(dim) is int:
+        canonicalize_dim(max(x.dim(), 1), dim)  # IndexError: "Dimension out of range (...)"
     dtype = _arg(args, kwargs, 2, "dtype")  # softmax.int's; _softmax's third is half_to_float
     if isinstance(dtype, torch.dtype):
         if dtype.is_floating_point:
@@ -102,6 +125,66 @@ def _nll_target(args: tuple, kwargs: dict) -> None:
     if isinstance(target, torch.Tensor) and target.dtype not in (torch.int64, torch.uint8):
         raise RuntimeError(
             f"expected target dtype to be Long or Byte, but got {_name(target.dtype)}"
+        )
+    _param(args[0], _arg(args, kwargs, 2, "weight"))
+
+
+def _param(x: torch.Tensor, p: Any) -> None:
+    """A parameter the kernel reads as the input's dtype (`data_ptr<scalar_t>`)."""
+    if isinstance(p, torch.Tensor) and p.dtype != x.dtype:
+        raise RuntimeError(f"expected scalar type {_name(x.dtype)} but found {_name(p.dtype)}")
+
+
+def _norm(x: torch.Tensor, weight: Any, bias: Any) -> None:
+    """layer_norm's and group_norm's parameters: the input's dtype, or float32 for a bfloat16 or
+    half input (the mixed case both CPU and CUDA take); the CPU's rules and messages."""
+    first = weight if isinstance(weight, torch.Tensor) else bias
+    if not isinstance(first, torch.Tensor):
+        return
+    if first.dtype == x.dtype:
+        _param(x, bias)
+        return
+    for p in (weight, bias):
+        if isinstance(p, torch.Tensor) and p.dtype != torch.float32:
+            raise RuntimeError("mixed dtype (CPU): expect parameter to have scalar type of Float")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise RuntimeError("mixed dtype (CPU): all inputs must share same datatype.")
+
+
+def _layer_norm(args: tuple, kwargs: dict) -> None:
+    _norm(args[0], _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"))
+
+
+def _group_norm(args: tuple, kwargs: dict) -> None:
+    _norm(args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias"))
+
+
+def _binary_cross_entropy(args: tuple, kwargs: dict) -> None:
+    x, target = args[0], _arg(args, kwargs, 1, "target")
+    if isinstance(target, torch.Tensor) and target.dtype != x.dtype:
+        raise RuntimeError(f"Found dtype {_name(target.dtype)} but expected {_name(x.dtype)}")
+
+
+def _pow(args: tuple, kwargs: dict) -> None:
+    x, exponent = args[0], _arg(args, kwargs, 1, "exponent")
+    if (
+        not (x.dtype.is_floating_point or x.dtype.is_complex)
+        and type(exponent) is int
+        and exponent < 0
+    ):
+        raise RuntimeError("Integers to negative integer powers are not allowed.")
+
+
+def _multinomial(args: tuple, kwargs: dict) -> None:
+    x, n = args[0], _arg(args, kwargs, 1, "num_samples")
+    replacement = _arg(args, kwargs, 2, "replacement")
+    if type(n) is not int:
+        return
+    if n <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and x.dim() > 0 and n > x.shape[-1]:
+        raise RuntimeError(
+            "cannot sample n_sample > prob_dist.size(-1) samples without replacement"
         )
 
 
@@ -161,7 +244,7 @@ CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     aten.addmm.default: _addmm,
     aten.addmm.out: _addmm,
     aten.addmm_.default: _addmm,
-    aten.linear.default: lambda args, kwargs: _matrices(args, kwargs),
+    aten.linear.default: _linear,
     aten.mv.default: _mv,
     aten.addmv.default: lambda args, kwargs: _mv(args, kwargs, first=1),
     aten.convolution.default: _convolution,
@@ -179,6 +262,12 @@ CHECKS: dict[Any, Callable[[tuple, dict], None]] = {
     aten._log_softmax.default: _softmax,
     aten.nll_loss_forward.default: _nll_target,
     aten.nll_loss2d_forward.default: _nll_target,
+    aten.native_layer_norm.default: _layer_norm,
+    aten.native_group_norm.default: _group_norm,
+    aten.binary_cross_entropy.default: _binary_cross_entropy,
+    aten.pow.Tensor_Scalar: _pow,
+    aten.pow_.Scalar: _pow,
+    aten.multinomial.default: _multinomial,
     # in-place writes: refused at the op, the tensor they would write is left as it was (failed
     # on the server, the op poisoned it though nothing was written)
     aten.index_copy_.default: _index_copy,

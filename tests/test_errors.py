@@ -273,7 +273,40 @@ REFUSED_BY_EVERY_KERNEL = {
     "nll_loss2d-int32-targets": lambda d: torch.nn.functional.nll_loss(
         torch.ones(2, 3, 4, 4, device=d), torch.zeros(2, 4, 4, dtype=torch.int32, device=d)
     ),
-}
+    "addmm-bias-dtype": lambda d: torch.addmm(
+        torch.ones(2, dtype=_F64, device=d), torch.ones(2, 3, device=d), torch.ones(3, 2, device=d)
+    ),
+    "linear-bias-dtype": lambda d: torch.nn.functional.linear(
+        torch.ones(4, 2, 3, device=d), torch.ones(2, 3, device=d), torch.ones(2, dtype=_F64, device=d)
+    ),
+    "linear-input-dtype-with-bias": lambda d: torch.nn.functional.linear(
+        torch.ones(2, 3, dtype=_F64, device=d), torch.ones(2, 3, device=d), torch.ones(2, device=d)
+    ),
+    "layer_norm-weight-dtype": lambda d: torch.nn.functional.layer_norm(
+        torch.ones(2, 4, device=d), (4,), torch.ones(4, dtype=_F64, device=d)
+    ),
+    "layer_norm-bias-dtype": lambda d: torch.nn.functional.layer_norm(
+        torch.ones(2, 4, device=d), (4,), torch.ones(4, device=d), torch.ones(4, dtype=_F64, device=d)
+    ),
+    "layer_norm-float32-params-of-float64": lambda d: torch.nn.functional.layer_norm(
+        torch.ones(2, 4, dtype=_F64, device=d), (4,), torch.ones(4, device=d)
+    ),
+    "group_norm-weight-dtype": lambda d: torch.nn.functional.group_norm(
+        torch.ones(2, 4, 3, dtype=torch.bfloat16, device=d), 2, torch.ones(4, dtype=_F64, device=d)
+    ),
+    "cross_entropy-weight-dtype": lambda d: torch.nn.functional.cross_entropy(
+        torch.ones(2, 3, device=d), torch.zeros(2, dtype=torch.long, device=d),
+        weight=torch.ones(3, dtype=_F64, device=d),
+    ),
+    "binary_cross_entropy-target-dtype": lambda d: torch.nn.functional.binary_cross_entropy(
+        torch.full((3,), 0.5, device=d), torch.ones(3, dtype=_F64, device=d)
+    ),
+    "softmax-dim": lambda d: torch.ones(2, 3, device=d).softmax(2),
+    "log_softmax-dim": lambda d: torch.ones(2, 3, device=d).log_softmax(-3),
+    "int-to-negative-power": lambda d: torch.arange(3, device=d) ** -1,
+    "multinomial-too-many": lambda d: torch.ones(3, device=d).multinomial(4),
+    "multinomial-none": lambda d: torch.ones(3, device=d).multinomial(0, replacement=True),
+}  # fmt: skip
 _IDX = (lambda d: torch.tensor([0], device=d), lambda d: torch.tensor([0.0], device=d))
 WRITES_REFUSED = {  # (target) -> the in-place op on it
     "index_copy_-dtype": lambda x, d: x.index_copy_(0, _IDX[0](d), torch.ones(1, dtype=_F64, device=d)),
@@ -289,7 +322,12 @@ REFUSED_BY_EVERY_KERNEL.update(
     {k: (lambda d, w=w: w(torch.arange(3.0, device=d), d)) for k, w in WRITES_REFUSED.items()}
 )
 SAME_MESSAGE = {*WRITES_REFUSED, "cross_entropy-int32-targets", "nll_loss2d-int32-targets", "mm-dtypes", "matmul-dtypes", "linear-dtypes", "index_select-float-index", "sort-dim",
-                "std-of-int64"}  # fmt: skip
+                "std-of-int64", "addmm-dtypes", "addmm-bias-dtype", "linear-bias-dtype",
+                "linear-input-dtype-with-bias", "layer_norm-weight-dtype", "layer_norm-bias-dtype",
+                "layer_norm-float32-params-of-float64", "group_norm-weight-dtype",
+                "cross_entropy-weight-dtype", "binary_cross_entropy-target-dtype", "softmax-dim",
+                "log_softmax-dim", "int-to-negative-power", "multinomial-too-many",
+                "multinomial-none"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(REFUSED_BY_EVERY_KERNEL))
@@ -318,6 +356,23 @@ def test_the_variants_every_kernel_takes_still_run(dev):
     assert torch.equal(torch.sort(x, dim=-2).values.cpu(), torch.sort(x.cpu(), dim=-2).values)
     assert torch.equal(x.index_select(1, torch.tensor([2, 0], dtype=torch.int32, device=dev)).cpu(),
                        x.cpu().index_select(1, torch.tensor([2, 0], dtype=torch.int32)))  # fmt: skip
+    # normalization of a bfloat16 input by float32 parameters (mixed precision) runs
+    h = torch.randn(2, 4, 3).to(torch.bfloat16)
+    w, b = torch.randn(4), torch.randn(4)
+    F = torch.nn.functional
+    for run in (lambda h, w, b: F.group_norm(h, 2, w, b),
+                lambda h, w, b: F.layer_norm(h.transpose(1, 2), (4,), w, b),
+                lambda h, w, b: F.layer_norm(h.transpose(1, 2), (4,), None, b)):  # fmt: skip
+        assert torch.equal(run(h.to(dev), w.to(dev), b.to(dev)).cpu(), run(h, w, b))
+    assert torch.equal((x**2).cpu(), x.cpu() ** 2)
+    assert torch.equal(x.float().softmax(-2).cpu(), x.cpu().float().softmax(-2))
+    p = torch.tensor([0.2, 0.8])
+    drawn = p.to(dev).multinomial(5, replacement=True).cpu()
+    assert drawn.shape == (5,) and set(drawn.tolist()) <= {0, 1}
+    weight = torch.rand(3, dtype=_F64)  # binary_cross_entropy's weight may be of another dtype
+    q, t = torch.rand(3), torch.rand(3)
+    assert torch.equal(F.binary_cross_entropy(q.to(dev), t.to(dev), weight.to(dev)).cpu(),
+                       F.binary_cross_entropy(q, t, weight))  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(WRITES_REFUSED))
