@@ -119,16 +119,54 @@ def _bool_pow(func, args: tuple, kwargs: dict) -> Any:
     return out
 
 
+# Kernels that compute in their input's dtype where the meta kernels promote with another
+# argument: a float64 target of `huber_loss` or `soft_margin_loss`, a float64 weight of
+# `binary_cross_entropy` (class weights made with numpy), `normal(mean, std)` with a float64 std.
+# CPU and CUDA run the same device-generic code (an output made like the input). Predicted in
+# float64, the server's float32 result was refused at the next download. Op -> the position of
+# the argument whose dtype the output takes.
+_INPUT_DTYPE = {
+    aten.huber_loss.default: 0,
+    aten.soft_margin_loss.default: 0,
+    aten.soft_margin_loss_backward.default: 1,
+    aten.binary_cross_entropy.default: 0,
+    aten.binary_cross_entropy_backward.default: 1,
+    aten.normal.Tensor_Tensor: 0,
+}
+
+
+def _others_differ(func, args: tuple, kwargs: dict) -> bool:
+    dtype = args[_INPUT_DTYPE[func]].dtype
+    return any(
+        isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.dtype != dtype
+        for a in (*args, *kwargs.values())
+    )
+
+
+def _in_input_dtype(func, args: tuple, kwargs: dict) -> Any:
+    dtype = args[_INPUT_DTYPE[func]].dtype
+
+    def cast(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.dtype.is_floating_point and a.dtype != dtype:
+            return a.to(dtype)  # a meta tensor: no data
+        return a
+
+    return func(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+
+
 def predicts(func, args: tuple, kwargs: dict) -> bool:
     """Whether `run` predicts this call in place of the op's meta kernel."""
     return (
         func in _SHIFTS
         or func in _IN_PLACE_SHIFTS
         or (func in _POWS and _pow_of_bools(args, kwargs))
+        or (func in _INPUT_DTYPE and _others_differ(func, args, kwargs))
     )
 
 
 def run(func, args: tuple, kwargs: dict) -> Any:
+    if func in _INPUT_DTYPE:
+        return _in_input_dtype(func, args, kwargs)
     if func in _POWS:
         return _bool_pow(func, args, kwargs)
     return _shift(func, args, kwargs)

@@ -684,6 +684,37 @@ def test_losses_of_a_transposed_input_have_the_cpus_gradient(dev, loss):
     torch.testing.assert_close(xr.grad.cpu(), xc.grad)
 
 
+MIXED_DTYPE_LOSSES = {  # float32 input, float64 target or weight (made with numpy)
+    "huber": lambda x, t: F.huber_loss(x, t, reduction="none"),
+    "soft_margin": lambda x, t: F.soft_margin_loss(x, t),
+    "soft_margin-none": lambda x, t: F.soft_margin_loss(x, t, reduction="none"),
+    "binary_cross_entropy-weight": lambda x, t: F.binary_cross_entropy(
+        x.sigmoid(), t.float().sigmoid(), weight=t.abs()
+    ),
+    "binary_cross_entropy-weight-none": lambda x, t: F.binary_cross_entropy(
+        x.sigmoid(), t.float().sigmoid(), weight=t.abs(), reduction="none"
+    ),
+}
+
+
+@pytest.mark.parametrize("loss", MIXED_DTYPE_LOSSES.values(), ids=MIXED_DTYPE_LOSSES.keys())
+def test_losses_with_a_float64_target_or_weight_keep_the_inputs_dtype(dev, loss):
+    """The CPU and CUDA kernels compute these in the input's dtype; their meta kernels promote.
+    Predicted float64, the server's float32 loss was refused at the download ("download of 8
+    bytes returned 4"), where the CPU gives a float32 loss and gradient."""
+    x, t = torch.randn(4, 5), torch.randn(4, 5, dtype=torch.float64)
+    xc, xr = x.clone().requires_grad_(), x.to(dev).requires_grad_()
+    lc, lr = loss(xc, t), loss(xr, t.to(dev))
+    assert lr.dtype == lc.dtype == torch.float32
+    torch.testing.assert_close(lr.cpu(), lc.detach(), rtol=0, atol=0)
+    if loss is not MIXED_DTYPE_LOSSES["huber"]:  # its backward refuses the float64 target
+        lc.sum().backward()
+        lr.sum().backward()
+        torch.testing.assert_close(xr.grad.cpu(), xc.grad, rtol=0, atol=0)
+    mean, std = torch.zeros(3), torch.full((3,), 1e-6, dtype=torch.float64)
+    assert torch.normal(mean.to(dev), std.to(dev)).cpu().dtype == torch.normal(mean, std).dtype
+
+
 def test_samplers_with_transposed_parameters_keep_each_elements_parameters(dev):
     """normal, poisson and gamma allocate their result contiguous: predicted like the
     transposed mean, `torch.normal(mean.T, std.T)[0]` took its values from the wrong means."""
