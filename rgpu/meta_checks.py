@@ -226,9 +226,28 @@ def _index_fill(args: tuple, kwargs: dict) -> None:
 
 
 def _index_put(args: tuple, kwargs: dict) -> None:
+    values, accumulate = _arg(args, kwargs, 2, "values"), _arg(args, kwargs, 3, "accumulate")
+    if not accumulate and _fills_through_a_mask(args[0], _arg(args, kwargs, 1, "indices"), values):
+        return
     _same_dtype(args[0], _arg(args, kwargs, 2, "values"), "Index put requires the source and "
                 "destination dtypes match, got {self} for the destination and {source} for the "
                 "source.")  # fmt: skip
+
+
+def _fills_through_a_mask(self: torch.Tensor, indices: Any, values: Any) -> bool:
+    """`x[mask] = v` with one CPU value (`torch.tensor(1.5, dtype=torch.float64)`): every
+    device's index_put_ takes it as `masked_fill_(mask, v.item())`, of any dtype."""
+    if not (isinstance(values, torch.Tensor) and values.device.type == "cpu"):
+        return False
+    if values.numel() != 1 or not isinstance(indices, (list, tuple)):
+        return False
+    given = [i for i in indices if i is not None]
+    return (
+        len(given) == 1
+        and isinstance(given[0], torch.Tensor)
+        and given[0].dtype == torch.bool
+        and given[0].device == self.device
+    )
 
 
 def _put(args: tuple, kwargs: dict) -> None:

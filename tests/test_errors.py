@@ -369,6 +369,13 @@ def test_the_variants_every_kernel_takes_still_run(dev):
     p = torch.tensor([0.2, 0.8])
     drawn = p.to(dev).multinomial(5, replacement=True).cpu()
     assert drawn.shape == (5,) and set(drawn.tolist()) <= {0, 1}
+    # one CPU value of another dtype through a bool mask: index_put_ fills it (masked_fill_)
+    for value in (torch.tensor(1.5, dtype=_F64), torch.tensor([2], dtype=torch.long)):
+        y = torch.randn(3, 4)
+        remote = y.to(dev)
+        remote[remote > 0] = value
+        y[y > 0] = value
+        assert torch.equal(remote.cpu(), y)
     weight = torch.rand(3, dtype=_F64)  # binary_cross_entropy's weight may be of another dtype
     q, t = torch.rand(3), torch.rand(3)
     assert torch.equal(F.binary_cross_entropy(q.to(dev), t.to(dev), weight.to(dev)).cpu(),
