@@ -121,7 +121,8 @@ def _bool_pow(func, args: tuple, kwargs: dict) -> Any:
 
 # Kernels that compute in their input's dtype where the meta kernels promote with another
 # argument: a float64 target of `huber_loss` or `soft_margin_loss`, a float64 weight of
-# `binary_cross_entropy` (class weights made with numpy), `normal(mean, std)` with a float64 std.
+# `binary_cross_entropy` (class weights made with numpy), `normal(mean, std)` with a float64 std,
+# `linear` of a strided batch with a float64 bias (added in place; other calls refuse it).
 # CPU and CUDA run the same device-generic code (an output made like the input). Predicted in
 # float64, the server's float32 result was refused at the next download. Op -> the position of
 # the argument whose dtype the output takes.
@@ -132,6 +133,7 @@ _INPUT_DTYPE = {
     aten.binary_cross_entropy.default: 0,
     aten.binary_cross_entropy_backward.default: 1,
     aten.normal.Tensor_Tensor: 0,
+    aten.linear.default: 0,
 }
 
 

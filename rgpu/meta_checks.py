@@ -55,9 +55,10 @@ def _same_as_mat2(what: str, a: Any, mat2: Any) -> None:
 
 
 def _linear(args: tuple, kwargs: dict) -> None:
-    """With a bias, `linear` of a matrix or a batch of them is `addmm(bias, x, weight.t())`."""
+    """With a bias, `linear` of a vector, a matrix or a contiguous batch is `addmm(bias, x,
+    weight.t())`; of a strided batch, `matmul` then `add_(bias)`, which takes any dtype."""
     x, weight, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
-    if isinstance(bias, torch.Tensor) and x.dim() >= 2:
+    if isinstance(bias, torch.Tensor) and (x.dim() <= 2 or x.is_contiguous()):
         _same_as_mat2("self", bias, weight)
         _same_as_mat2("mat1", x, weight)
     _matrices(args, kwargs)

@@ -108,6 +108,19 @@ def _breaks_up(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     )
 
 
+def _adds_bias_in_place(args: tuple, kwargs: dict) -> bool:
+    """`linear` of a strided batch with a bias of another dtype: PyTorch's formula adds it in
+    place (`add_`, the input's dtype) for a plain tensor but out of place (promoted) for a
+    subclass, so a float64 bias made the output float64 on rgpu, float32 on CPU and CUDA."""
+    x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")
+    return (
+        isinstance(bias, torch.Tensor)
+        and bias.dtype != x.dtype
+        and x.dim() > 2
+        and not x.is_contiguous()
+    )
+
+
 def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
     # PyTorch's C++ formula, the one local torch runs; not `op.decompose`, which prefers a
     # Python port where one is registered (matmul's took ~7% of a Llama training step's client
@@ -115,6 +128,9 @@ def _kernel(op: torch._ops.OpOverload) -> Callable[..., Any]:
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if _breaks_up(op, args, kwargs):
+            if op is _LINEAR and _adds_bias_in_place(args, kwargs):
+                out = op._op_dk(_COMPOSITE, args[0], args[1])
+                return out.add_(args[2] if len(args) > 2 else kwargs["bias"])
             return op._op_dk(_COMPOSITE, *args, **kwargs)
         with torch._C._AutoDispatchBelowAutograd():
             _sent_whole.op = op

@@ -369,6 +369,17 @@ def test_the_variants_every_kernel_takes_still_run(dev):
     p = torch.tensor([0.2, 0.8])
     drawn = p.to(dev).multinomial(5, replacement=True).cpu()
     assert drawn.shape == (5,) and set(drawn.tolist()) <= {0, 1}
+    # linear of a strided batch adds its bias in place: a float64 bias is taken
+    h, w, bias = torch.randn(3, 2, 5).transpose(0, 1), torch.randn(4, 5), torch.randn(4, dtype=_F64)
+    with torch.no_grad():
+        assert torch.equal(F.linear(h.to(dev), w.to(dev), bias.to(dev)).cpu(), F.linear(h, w, bias))
+    w.requires_grad_()
+    remote_w = w.detach().to(dev).requires_grad_()
+    out, remote = F.linear(h, w, bias), F.linear(h.to(dev), remote_w, bias.to(dev))
+    assert remote.dtype == out.dtype == torch.float32
+    out.sum().backward()
+    remote.sum().backward()
+    assert torch.equal(remote.cpu(), out.detach()) and torch.equal(remote_w.grad.cpu(), w.grad)
     # one CPU value of another dtype through a bool mask: index_put_ fills it (masked_fill_)
     for value in (torch.tensor(1.5, dtype=_F64), torch.tensor([2], dtype=torch.long)):
         y = torch.randn(3, 4)
