@@ -12,11 +12,22 @@ So no Python exception leaves a hook or an op while backward runs: the exception
 failing hook leaves its gradient as it was, and a failing op returns empty placeholders (the
 engine then stops on its own C++ shape check, or finishes). `backward()` and `grad()` raise the
 first recorded exception, with its traceback, once the engine returns.
+
+The same wrapper runs every backward in the thread that called it
+(`torch.autograd.set_multithreading_enabled(False)` for the call). Autograd sizes its per-device
+threads once, at the first backward of the process: a backward on the CPU before `import rgpu`
+left rgpu without one, and every rgpu backward after it failed an INTERNAL ASSERT in engine.cpp
+(the device index past its ready queues). On the calling thread the engine needs none. There,
+a Ctrl-C would raise KeyboardInterrupt inside an op the engine runs, and abort the process as
+above; so the main thread's SIGINT handler is held during the call and runs once the engine
+returns, which is when the interrupt came out of a backward on autograd's own threads (and on the
+CPU, whose backward runs no Python).
 """
 
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -121,23 +132,59 @@ def _guarded_module_hook(hook: Callable) -> Callable:
     return run
 
 
+_multithreading = torch._C._is_multithreading_enabled
+_set_multithreading = torch._C._set_multithreading_enabled
+
+
 def _raising_recorded(run_backward: Callable) -> Callable:
     @functools.wraps(run_backward)
     def run(*args: Any, **kwargs: Any) -> Any:
         _take()  # nothing left over from an earlier backward
+        threads = _multithreading()
+        _set_multithreading(False)  # see the module's docstring
         try:
-            out = run_backward(*args, **kwargs)
+            out = _holding_interrupts(run_backward, args, kwargs)
         except Exception:
             e = _take()
             if e is None:
                 raise
             raise e.with_traceback(e.__traceback__) from None
+        finally:
+            _set_multithreading(threads)
         e = _take()
         if e is not None:
             raise e.with_traceback(e.__traceback__)
         return out
 
     return run
+
+
+_held: list | None = None  # SIGINTs that came during the backward the main thread runs
+
+
+def _hold(signum: int, frame: Any) -> None:
+    if _held is not None:
+        _held.append((signum, frame))
+
+
+def _holding_interrupts(run_backward: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run the engine with SIGINT's Python handler held (the main thread's outermost backward),
+    then run the handler for an interrupt that came meanwhile."""
+    global _held
+    if _held is not None or threading.current_thread() is not threading.main_thread():
+        return run_backward(*args, **kwargs)  # a nested backward, or no signals in this thread
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):  # SIG_DFL, SIG_IGN: no Python code runs on Ctrl-C
+        return run_backward(*args, **kwargs)
+    _held = []
+    signal.signal(signal.SIGINT, _hold)
+    try:
+        return run_backward(*args, **kwargs)
+    finally:
+        held, _held = _held, None
+        signal.signal(signal.SIGINT, handler)
+        if held:
+            handler(*held[0])  # KeyboardInterrupt, under Python's default handler
 
 
 def install() -> None:

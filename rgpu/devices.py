@@ -10,10 +10,9 @@ index means the current device (per thread, `torch.rgpu.set_device`, `torch.rgpu
 `copy_` and `.to("rgpu:k")` are the ops that cross devices; on one server they run there, between
 servers they go from server to server (rgpu/peer_copy.py).
 
-With one device nothing here runs per op (`MULTI` is False). With several, autograd runs each
-backward in the thread that called it: PyTorch gives a Python backend one device thread
-(engine.cpp asserts on a device index past it), so rgpu turns off autograd's device threads in
-every thread that issues ops on several devices (`torch.autograd.set_multithreading_enabled`).
+With one device nothing here runs per op (`MULTI` is False). Backward runs in the thread that
+called it (rgpu.backward_errors), which several devices need too: PyTorch gives a Python backend
+one autograd device thread, and engine.cpp asserts on a device index past it.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ Session = Any  # an rgpu.session.Session
 
 MULTI = False  # more than one device: ops are routed (route) and devices checked
 _list: DeviceList | None = None
-_local = threading.local()  # .index: this thread's current device; .single: autograd set up
+_local = threading.local()  # .index: this thread's current device
 _copy = torch.ops.aten.copy_.default
 
 
@@ -134,9 +133,6 @@ def local_index(h: Any) -> int:
 def route(func: Any, args: tuple, kwargs: dict, fallback: Session) -> tuple[Session, int, int]:
     """(session, device index, index on its server) an op runs on; raises when it mixes
     tensors of two devices (copy_ may: it runs on its destination's device)."""
-    if not getattr(_local, "single", False):
-        torch.autograd.set_multithreading_enabled(False)  # see the module's docstring
-        _local.single = True
     dev = -1
     device = kwargs.get("device") if kwargs else None
     if device is not None:

@@ -93,3 +93,83 @@ def test_a_sparse_gradient_is_a_clear_error_not_an_abort(session):
     expected = torch.zeros(10, 4)
     expected[[1, 2, 4]] = 1
     assert torch.equal(w.grad.cpu(), expected)
+
+
+BACKWARD_BEFORE_IMPORT = """
+    import sys, threading, torch
+    x = torch.ones(3, requires_grad=True)
+    (x * 2).sum().backward()  # autograd sizes its device threads here, before rgpu exists
+    import rgpu
+    rgpu.connect(sys.argv[1])
+    w = torch.arange(3.0, device="rgpu", requires_grad=True)
+    (w * w).sum().backward()
+    print(w.grad.cpu().tolist())
+    def in_a_thread():
+        v = torch.ones(2, device="rgpu", requires_grad=True)
+        print(torch.autograd.grad((v * 3).sum(), v)[0].cpu().tolist())
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+"""
+
+
+def test_backward_works_after_a_cpu_backward_that_ran_before_import(server):
+    """Autograd gives each device type its worker threads at the process's first backward; one
+    before `import rgpu` (a CPU model trained earlier in the notebook) left rgpu without any, and
+    every rgpu backward failed an INTERNAL ASSERT in engine.cpp. rgpu runs backward in the
+    calling thread, which needs none."""
+    import subprocess
+    import sys
+    import textwrap
+
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(BACKWARD_BEFORE_IMPORT), server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["[0.0, 2.0, 4.0]", "[3.0, 3.0]"]
+
+
+CTRL_C_DURING_BACKWARD = """
+    import os, signal, sys, threading, time, torch, rgpu
+    rgpu.connect(sys.argv[1])
+    w = torch.ones(4, device="rgpu", requires_grad=True)
+    y = w
+    for _ in range(20000):  # a backward of ~40,000 ops (a second or so), each run in Python
+        y = y * 1.0 + 0.0
+    loss = y.sum()
+    def ctrl_c():
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+    # as backward starts, Ctrl-C from another thread: it lands in an op the engine runs
+    loss.register_hook(lambda g: threading.Thread(target=ctrl_c).start())
+    try:
+        loss.backward()
+        print("no interrupt")
+    except KeyboardInterrupt:
+        print("interrupted after backward:", w.grad.cpu().tolist())
+    print("still working:", (w * 2).sum().item())
+"""
+
+
+def test_ctrl_c_during_backward_interrupts_after_it_and_keeps_the_process(server):
+    """Backward runs in the calling thread, which takes the notebook's Ctrl-C: raised inside an
+    op the engine runs, it aborted the process (the kernel died). The interrupt now comes when
+    the engine returns, as it did from autograd's own threads, with the gradients complete."""
+    import subprocess
+    import sys
+    import textwrap
+
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CTRL_C_DURING_BACKWARD), server.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == [
+        "interrupted after backward: [1.0, 1.0, 1.0, 1.0]",
+        "still working: 8.0",
+    ]
