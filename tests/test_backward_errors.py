@@ -6,6 +6,10 @@ unwinding the engine with the Python error still pending.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,6 +99,14 @@ def test_a_sparse_gradient_is_a_clear_error_not_an_abort(session):
     assert torch.equal(w.grad.cpu(), expected)
 
 
+def _script_output(code: str, url: str) -> list[str]:
+    """Lines a fresh Python process printed (autograd's threads and signals are per process)."""
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), url], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split("\n")
+
+
 BACKWARD_BEFORE_IMPORT = """
     import sys, threading, torch
     x = torch.ones(3, requires_grad=True)
@@ -118,18 +130,10 @@ def test_backward_works_after_a_cpu_backward_that_ran_before_import(server):
     before `import rgpu` (a CPU model trained earlier in the notebook) left rgpu without any, and
     every rgpu backward failed an INTERNAL ASSERT in engine.cpp. rgpu runs backward in the
     calling thread, which needs none."""
-    import subprocess
-    import sys
-    import textwrap
-
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(BACKWARD_BEFORE_IMPORT), server.url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[:2] == ["[0.0, 2.0, 4.0]", "[3.0, 3.0]"]
+    assert _script_output(BACKWARD_BEFORE_IMPORT, server.url)[:2] == [
+        "[0.0, 2.0, 4.0]",
+        "[3.0, 3.0]",
+    ]
 
 
 CTRL_C_DURING_BACKWARD = """
@@ -158,18 +162,7 @@ def test_ctrl_c_during_backward_interrupts_after_it_and_keeps_the_process(server
     """Backward runs in the calling thread, which takes the notebook's Ctrl-C: raised inside an
     op the engine runs, it aborted the process (the kernel died). The interrupt now comes when
     the engine returns, as it did from autograd's own threads, with the gradients complete."""
-    import subprocess
-    import sys
-    import textwrap
-
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CTRL_C_DURING_BACKWARD), server.url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[:2] == [
+    assert _script_output(CTRL_C_DURING_BACKWARD, server.url)[:2] == [
         "interrupted after backward: [1.0, 1.0, 1.0, 1.0]",
         "still working: 8.0",
     ]
