@@ -29,7 +29,7 @@ _FLASH = 1  # SDPBackend.FLASH_ATTENTION, as torch._fused_sdp_choice answers
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor of `t`'s layout (uninitialised, never read): the CPU's kernel choice looks at
     shapes, strides, dtypes and requires_grad only."""
-    s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    s = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
     return s.requires_grad_() if t.requires_grad else s
 
 

@@ -129,7 +129,7 @@ def lm_batch(
     vocab: int, batch: int, context: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A random token batch and its next-token targets (CPU tensors)."""
-    data = torch.randint(0, vocab, (batch, context + 1), generator=generator)
+    data = torch.randint(0, vocab, (batch, context + 1), generator=generator, device="cpu")
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 

@@ -98,7 +98,7 @@ def unpack_tensors(
             return w
         if type(x) is HostData:
             if not x.data:
-                return torch.empty(x.shape, dtype=x.dtype)
+                return torch.empty(x.shape, dtype=x.dtype, device="cpu")
             return torch.frombuffer(bytearray(x.data), dtype=x.dtype).reshape(x.shape)
         return x
 

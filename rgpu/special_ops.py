@@ -70,9 +70,9 @@ def _to_cpu_async(x: RemoteTensor, kwargs: dict) -> torch.Tensor:
         x = dispatch(aten._to_copy.default, (x,), {"dtype": dtype, "memory_format": memory_format})
     shape, stride = tuple(x.shape), x.stride()
     target = (
-        torch.empty_strided(shape, stride, dtype=x.dtype)
+        torch.empty_strided(shape, stride, dtype=x.dtype, device="cpu")
         if dense_strides(shape, stride)
-        else torch.empty(shape, dtype=x.dtype)
+        else torch.empty(shape, dtype=x.dtype, device="cpu")
     )
     return _session_of(x).download_async(x, into=target)
 

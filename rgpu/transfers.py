@@ -214,7 +214,7 @@ class TransferMixin:
         dtype = w.dtype
         shape = tuple(w.shape)
         numel = w.numel()
-        flat = torch.empty(numel, dtype=dtype)
+        flat = torch.empty(numel, dtype=dtype, device="cpu")
         nbytes = numel * flat.element_size()
         view = byte_view(flat)
         timing = [0.0, 0.0, 0]  # first DATA frame's arrival, the last one's, the first's size
@@ -235,7 +235,7 @@ class TransferMixin:
         out = flat.view(shape)
         stride = w.stride()
         if out.stride() != stride and dense_strides(shape, stride):
-            out = torch.empty_strided(shape, stride, dtype=dtype).copy_(out)
+            out = torch.empty_strided(shape, stride, dtype=dtype, device="cpu").copy_(out)
         return out
 
     def _download_by_lane(self, lane: Lane, w: Any, view: memoryview, sink: Callable) -> bool:
@@ -289,9 +289,9 @@ class TransferMixin:
         numel = w.numel()
         shape = tuple(w.shape)  # the closures below must not keep `w` alive: freed on the reader
         # thread, its FREE would join the stream at a moment that depends on timing
-        target = into if into is not None else torch.empty(shape, dtype=w.dtype)
+        target = into if into is not None else torch.empty(shape, dtype=w.dtype, device="cpu")
         direct = target.is_contiguous() and target.dtype == w.dtype and target.numel() == numel
-        flat = target.reshape(-1) if direct else torch.empty(numel, dtype=w.dtype)
+        flat = target.reshape(-1) if direct else torch.empty(numel, dtype=w.dtype, device="cpu")
         nbytes = numel * flat.element_size()
         view = byte_view(flat)
 

@@ -341,3 +341,33 @@ def test_cpu_scalar_tensors_mix_with_rgpu_tensors_as_with_cuda(dev, f):
     got, want = f(_X.to(dev)), f(_X)
     assert got.dtype == want.dtype and got.stride() == want.stride()
     assert torch.equal(got.cpu(), want)
+
+
+def test_the_default_device_set_to_rgpu_leaves_rgpus_own_host_buffers_on_the_cpu(dev):
+    """`torch.set_default_device("rgpu")` sends every factory call without a device to rgpu,
+    rgpu's own among them: the buffers downloads land in were made on rgpu, and a generate's
+    stop check, `x.to("cpu", non_blocking=True)` and `torch.load(map_location=...)` failed
+    ("byte_view needs a contiguous CPU tensor")."""
+    import io
+
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    saved = io.BytesIO()
+    torch.save({"w": torch.arange(6.0).reshape(2, 3)}, saved)
+    torch.set_default_device(dev)
+    try:
+        x = torch.arange(6.0).reshape(2, 3)
+        assert x.device.type == "rgpu"
+        assert x.t().cpu().tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+        copied = x.to("cpu", non_blocking=True)
+        torch.rgpu.synchronize()
+        assert copied.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert torch.empty(0).cpu().shape == (0,)
+        attended = F.scaled_dot_product_attention(q.to(dev), k.to(dev), v.to(dev), is_causal=True)
+        saved.seek(0)
+        loaded = torch.load(saved, map_location=dev)["w"]
+    finally:
+        torch.set_default_device(None)
+    assert torch.equal(attended.cpu(), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert loaded.device.type == "rgpu" and loaded.cpu().tolist() == x.cpu().tolist()

@@ -94,6 +94,20 @@ def test_greedy_tokens_equal_the_cpu_and_stop_at_the_eos(pair):
     assert torch.equal(got, expected)
 
 
+def test_generate_under_the_default_device_rgpu_gives_the_cpus_tokens(pair, dev):
+    """With `torch.set_default_device("rgpu")` the stop check's host buffer was made on rgpu:
+    generate failed at its first token ("byte_view needs a contiguous CPU tensor")."""
+    cpu, model = pair
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    expected = cpu.generate(PROMPT, **kwargs)
+    torch.set_default_device(dev)
+    try:
+        got = model.generate(PROMPT.to(dev), **kwargs)
+    finally:
+        torch.set_default_device(None)
+    assert torch.equal(got.cpu(), expected)
+
+
 def test_a_left_padded_batch_has_the_cpus_tokens_scores_and_logits(pair):
     """The prompt's last position goes to `lm_head` as a slice (`logits_to_keep=1`): its scores
     were 1 ulp off the CPU's before `whole_ops` folded that matmul as local torch does."""
