@@ -6,15 +6,22 @@ the current device lives in a device guard that always answers 0, and the memory
 that a C++ caching allocator exists (`accelerate.dispatch_model` dies in `empty_cache`). So
 while rgpu is the current accelerator (no CUDA or other device in this process), these names
 answer from `torch.rgpu`; otherwise PyTorch's own are left as they are.
+
+transformers' `TrainingArguments.device` knows accelerators by name: past its list it takes the
+CPU, though accelerate (which it asks first) answered rgpu through `torch.accelerator`. `Trainer`
+then put the model on rgpu (accelerate) and every batch on the CPU. While rgpu is the current
+accelerator, `TrainingArguments` keeps accelerate's answer (patched when transformers loads it).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from . import device_module as _rgpu
+from .import_hooks import after_import
 from .tensor import DEVICE_TYPE
 
 _ORIGINAL: dict[str, Any] = {}
@@ -95,8 +102,28 @@ def install() -> bool:
         current = None
     if current is None or current.type != DEVICE_TYPE:
         return False
+    after_import("transformers.training_args", _keep_accelerates_device)
     for name, answer in _ANSWERS.items():
         if hasattr(accel, name):
             _ORIGINAL[name] = getattr(accel, name)
             setattr(accel, name, answer)
     return True
+
+
+def _keep_accelerates_device(module: Any) -> None:
+    cls = getattr(module, "TrainingArguments", None)
+    original = cls.__dict__.get("_setup_devices") if cls is not None else None
+    if not isinstance(original, functools.cached_property):
+        return  # another transformers: left as it is
+
+    def _setup_devices(self: Any) -> torch.device:
+        device = original.func(self)
+        chosen = getattr(getattr(self, "distributed_state", None), "device", None)
+        if device.type == "cpu" and not self.use_cpu and chosen is not None:
+            if chosen.type == DEVICE_TYPE:
+                return chosen
+        return device
+
+    patched = functools.cached_property(_setup_devices)
+    patched.__set_name__(cls, "_setup_devices")
+    cls._setup_devices = patched

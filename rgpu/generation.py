@@ -20,9 +20,6 @@ transformers is not imported by rgpu: the loop is adapted when the user's progra
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
 from collections import deque
 from typing import Any
 
@@ -31,6 +28,7 @@ import torch
 from rgpu_protocol import Kind
 
 from . import devices as _devices
+from .import_hooks import after_import
 from .progress import settings
 from .tensor import DEVICE_TYPE
 
@@ -173,38 +171,6 @@ def patch(utils: Any) -> bool:
     return True
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Adapts transformers' decode loop right after the user's program imports it."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != TARGET:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            if module.__name__ == TARGET:
-                patch(module)
-
-        loader.exec_module = exec_module
-        return spec
-
-
 def install() -> None:
     """Adapt transformers' loop now if it is imported, else as soon as it is."""
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        patch(module)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    after_import(TARGET, patch)

@@ -129,3 +129,42 @@ def test_resized_token_embeddings_train_as_on_the_cpu(session, make):
     for (name, p), q in zip(cpu.named_parameters(), remote.parameters()):
         assert torch.equal(q.grad.cpu(), p.grad), name
     assert remote.get_output_embeddings().weight.shape == (320, 32)
+
+
+def _trainer_run(model: torch.nn.Module, tmp_path, use_cpu: bool) -> tuple[list, torch.nn.Module]:
+    """Four logged steps of transformers' Trainer, in a fresh accelerate state (it is one per
+    process: the device of the first Trainer would stay)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("cpu" if use_cpu else "rgpu")), report_to=[], max_steps=4,
+        per_device_train_batch_size=4, logging_steps=1, save_strategy="no", use_cpu=use_cpu,
+        disable_tqdm=True, seed=3,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 300, (8,), generator=generator),
+             "labels": torch.randint(0, 300, (8,), generator=generator)} for _ in range(16)]  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer.model
+
+
+def test_transformers_trainer_trains_on_rgpu_as_on_the_cpu(session, tmp_path):
+    """accelerate finds rgpu through `torch.accelerator`, while `TrainingArguments` knows
+    accelerators by name and chose the CPU: Trainer put the model on rgpu and each batch on the
+    CPU ("Expected all tensors to be on the same device")."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=300,
+                                     n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    remote_losses, remote = _trainer_run(copy.deepcopy(model), tmp_path, use_cpu=False)
+    cpu_losses, cpu = _trainer_run(model, tmp_path, use_cpu=True)
+    assert next(remote.parameters()).device.type == "rgpu"
+    assert remote_losses == cpu_losses and len(cpu_losses) == 4
+    for p, q in zip(cpu.parameters(), remote.parameters()):
+        assert torch.equal(q.detach().cpu(), p.detach())
