@@ -14,7 +14,8 @@ def after_import(name: str, patch: Callable[[Any], Any]) -> None:
     module = sys.modules.get(name)
     if module is not None:
         patch(module)
-    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+    elif not any(isinstance(f, _AfterImport) and (f.name, f.patch) == (name, patch)
+                 for f in sys.meta_path):  # fmt: skip
         sys.meta_path.insert(0, _AfterImport(name, patch))
 
 

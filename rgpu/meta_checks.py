@@ -138,7 +138,8 @@ def _param(x: torch.Tensor, p: Any) -> None:
 
 def _norm(x: torch.Tensor, weight: Any, bias: Any) -> None:
     """layer_norm's and group_norm's parameters: the input's dtype, or float32 for a bfloat16 or
-    half input (the mixed case both CPU and CUDA take); the CPU's rules and messages."""
+    half input (the CPU's mixed precision). The CPU's rules and messages: what they refuse,
+    CUDA's kernels (parameters read as the input's type) refuse too."""
     first = weight if isinstance(weight, torch.Tensor) else bias
     if not isinstance(first, torch.Tensor):
         return
@@ -230,7 +231,7 @@ def _index_put(args: tuple, kwargs: dict) -> None:
     values, accumulate = _arg(args, kwargs, 2, "values"), _arg(args, kwargs, 3, "accumulate")
     if not accumulate and _fills_through_a_mask(args[0], _arg(args, kwargs, 1, "indices"), values):
         return
-    _same_dtype(args[0], _arg(args, kwargs, 2, "values"), "Index put requires the source and "
+    _same_dtype(args[0], values, "Index put requires the source and "
                 "destination dtypes match, got {self} for the destination and {source} for the "
                 "source.")  # fmt: skip
 

@@ -25,9 +25,8 @@ def _restore(storage: Any, location: str) -> Any:
     """torch.serialization's deserializer, ahead of PyTorch's own for "rgpu" locations."""
     if not isinstance(location, str) or not _LOCATION.match(location):
         return None
-    host = torch.empty(0, dtype=torch.uint8, device="cpu").set_(
-        storage
-    )  # the bytes as they are, no copy
+    # the bytes as they are, no copy
+    host = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
     uploaded = host.to(location)
     return storage_ids.standing_for(uploaded, keep=uploaded)
 
