@@ -27,6 +27,7 @@ from . import (
     dispatch,
     distributed,
     host_memory,
+    nested_ops,
     plans,
     special_ops,
     tensor,
@@ -85,6 +86,7 @@ def register() -> None:
 
     tensor.install(dispatch.dispatch, special_ops.tensor_repr, _on_first_trace)
     plans.SPECIAL.update(special_ops.HANDLERS)
+    plans.SPECIAL.update(nested_ops.HANDLERS)
     _setup_privateuseone_for_python_backend(tensor.DEVICE_TYPE, backend_module=device_module.module)
     tensor.DEVICE = torch.device(tensor.DEVICE_TYPE, 0)
     tensor.DEVICES = [tensor.DEVICE]

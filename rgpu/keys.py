@@ -1,6 +1,6 @@
 """Metadata keys: the hashable (dtype, shape, stride, storage_offset, storage_nbytes, flags) that
-names a tensor's layout (flags bit 0: the conjugate bit, bit 1: the negative bit), and the meta
-tensors they stand for. Re-exported by `rgpu.tensor`."""
+names a tensor's layout (flags bit 0: the conjugate bit, bit 1: the negative bit, bit 2: NESTED),
+and the meta tensors they stand for. Re-exported by `rgpu.tensor`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ import torch
 from rgpu_protocol import storage_span
 
 Key = tuple
+
+# The server holds a nested tensor and the key's shape is its padded one (rgpu.nested_ops): no
+# meta tensor stands for it.
+NESTED = 4
 
 
 def is_dense_key(key: Key) -> bool:
@@ -42,6 +46,8 @@ def key_of_meta(m: torch.Tensor) -> Key:
 def meta_of_key(key: Key) -> torch.Tensor:
     """A fresh meta tensor with exactly this layout, over a storage of the same byte size."""
     dtype, shape, stride, offset, nbytes, flags = key
+    if flags & NESTED:
+        raise nested_refused()
     storage = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
     m = torch.empty(0, dtype=dtype, device="meta")
     m.set_(storage, offset, shape, stride)
@@ -50,6 +56,14 @@ def meta_of_key(key: Key) -> torch.Tensor:
     if flags & 2:
         torch._C._set_neg(m, True)
     return m
+
+
+def nested_refused() -> RuntimeError:
+    return RuntimeError(
+        "this rgpu tensor is a nested tensor, made by nn.TransformerEncoder's fast path (eval "
+        "mode with a src_key_padding_mask); rgpu runs only that path's ops on nested tensors. "
+        "Pad it first: t.to_padded_tensor(0.0, size)"
+    )
 
 
 def key_of_tensor_meta(m: Any) -> Key:

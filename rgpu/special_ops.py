@@ -53,7 +53,7 @@ def _to_copy(func, info, args, kwargs):
         target = _devices.index_of(device)
         if _devices.session_of(target, None)[0] is not args[0]._r.sess:
             return peer_copy.to_device(args[0], target, kwargs)  # server to server
-    return _generic(func, info, args, kwargs)
+    return generic(func, info, args, kwargs)
 
 
 def _to_cpu_async(x: RemoteTensor, kwargs: dict) -> torch.Tensor:
@@ -77,7 +77,8 @@ def _to_cpu_async(x: RemoteTensor, kwargs: dict) -> torch.Tensor:
     return _session_of(x).download_async(x, into=target)
 
 
-def _generic(func, info, args, kwargs):
+def generic(func, info, args, kwargs):
+    """The op's ordinary path, past its special handler."""
     saved = info.special
     info.special = None
     try:
@@ -104,7 +105,7 @@ def _copy(func, info, args, kwargs):
         return _copy_to_cpu(dst, src, bool(kwargs.get("non_blocking", False)))
     if _devices.MULTI and peer_copy.crosses_servers(dst, src):
         return peer_copy.copy_into(dst, src)  # server to server
-    return _generic(func, info, args, kwargs)
+    return generic(func, info, args, kwargs)
 
 
 def _copy_to_cpu(dst: torch.Tensor, src: RemoteTensor, non_blocking: bool) -> torch.Tensor:

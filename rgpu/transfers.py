@@ -32,6 +32,7 @@ from rgpu_protocol.lane import INTERRUPTED_TICKET
 
 from . import dedup
 from .errors import ProtocolViolation
+from .keys import NESTED, nested_refused
 from .lane import Lane, LaneError
 from .progress import TransferProgress
 from .waits import Waiter
@@ -211,6 +212,8 @@ class TransferMixin:
 
     def download(self, w: Any) -> torch.Tensor:
         """The values of `w` as a new CPU tensor with the same shape (one wait)."""
+        if w._r.key[5] & NESTED:
+            raise nested_refused()
         dtype = w.dtype
         shape = tuple(w.shape)
         numel = w.numel()
@@ -286,6 +289,8 @@ class TransferMixin:
     ) -> tuple[torch.Tensor, Waiter]:
         """`download_async`, with the waiter that says when the tensor is filled (`wait_for`
         it, or look at its event): for loops that read results a few steps behind."""
+        if w._r.key[5] & NESTED:
+            raise nested_refused()
         numel = w.numel()
         shape = tuple(w.shape)  # the closures below must not keep `w` alive: freed on the reader
         # thread, its FREE would join the stream at a moment that depends on timing

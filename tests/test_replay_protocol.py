@@ -210,6 +210,29 @@ def test_a_replayed_sequence_computes_what_its_runs_compute():
     assert_same(*run_both(program, X, parts=[3, 7, len(program)]))  # in three REPLAYs
 
 
+def test_a_view_named_twice_in_one_op_is_one_tensor_run_and_replayed():
+    """As on the client, where it is one tensor: attention's fused kernel takes its
+    self-attention path only when query, key and value are the same tensor (its results differ
+    in the last bits from the cross-attention path's)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 6, 8, generator=g)
+    w, b = torch.randn(24, 8, generator=g), torch.randn(24, generator=g)
+    ow, ob = torch.randn(8, 8, generator=g), torch.randn(8, generator=g)
+    view = ((3, 4, 8), (48, 8, 1), 0)
+    q = T(1, view)
+    program = [["_native_multi_head_attention.default",
+                [q, q, q, 8, 2, T(2), T(3), T(4), T(5), None, False], None, [100, 101]]]  # fmt: skip
+    tensors = {1: x, 2: w, 3: b, 4: ow, 5: ob}
+    plain, replayed, seqs = run_both(program, tensors)
+    try:
+        xv = x[:, :4]
+        want = torch._native_multi_head_attention(xv, xv, xv, 8, 2, w, b, ow, ob, None, False)[0]
+        assert torch.equal(plain.tensors[100], want)
+        assert torch.equal(replayed.tensors[100], want)
+    finally:
+        assert_same(plain, replayed, seqs)
+
+
 def test_failures_inside_a_replay_poison_what_their_runs_would():
     program = [
         ["index_select.default", [T(1), 0, T(3)], None, [100]],

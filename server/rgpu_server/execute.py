@@ -140,6 +140,9 @@ def check_expected(s: SessionState, label: str, flat: list, expect: Any, outs: l
             continue
         if type(e) is not TensorMeta:
             raise ProtocolError("expected metadata must be tensor metadata")
+        if v.is_nested:  # has no one shape: never what the client described
+            s.fail(label, "produced a nested tensor; rgpu expected a dense (strided) one", outs)
+            return None
         shape, stride = list(v.shape), list(v.stride())
         got = (v.dtype, shape, stride, v.storage_offset(), v.is_conj(), v.is_neg())
         want = (e.dtype, list(e.shape), list(e.stride), e.offset, bool(e.conj), bool(e.neg))
@@ -185,10 +188,9 @@ def run_dynamic(s: SessionState, seq: int, msg: list) -> None:
         problem = f"returned {len(flat)} values; at most {MAX_DYNAMIC_OUTPUTS} are supported"
     else:
         for v in flat:
-            if isinstance(v, torch.Tensor) and v.layout != torch.strided:
-                problem = (
-                    f"produced a {v.layout} tensor; rgpu supports dense (strided) tensors only"
-                )
+            if isinstance(v, torch.Tensor) and (v.layout != torch.strided or v.is_nested):
+                kind = "nested" if v.is_nested else str(v.layout)
+                problem = f"produced a {kind} tensor; rgpu supports dense (strided) tensors only"
                 break
     if problem is not None:
         s.reply(seq, Status.ERROR, [resolved.label, problem])

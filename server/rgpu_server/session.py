@@ -72,6 +72,7 @@ class Session(SessionState):
         self._busy = False
         self._sink_generation = 0  # the connection the chunks in progress come on
         self._keep: list = []  # views built for the current message (their id()s stay valid)
+        self._views: dict[bytes, torch.Tensor] = {}  # the same, by their wire bytes
         self._worker = threading.Thread(
             target=self._run, name=f"rgpu-session-{self.hex}", daemon=True
         )
@@ -201,6 +202,7 @@ class Session(SessionState):
         self.bad = None
         self.refs = {}
         self._keep = []
+        self._views = {}
 
     def _run_frame(self, frame: bytes, generation: int) -> None:
         for seq, spec, msg, action, resend, _ in self.stream.messages(frame, self._ext_hook):
@@ -223,6 +225,7 @@ class Session(SessionState):
             if self.refs:
                 self.refs = {}
                 self._keep = []
+                self._views = {}
 
     def _take_chunk(self, frame: bytes) -> None:
         sink = self.sink
@@ -259,6 +262,9 @@ class Session(SessionState):
             self.refs[id(t)] = tid
             return t
         if code == EXT_VIEW:  # a view the client made locally: rebuild it over its base's storage
+            v = self._views.get(data)
+            if v is not None:  # named twice in one message: one tensor, as on the client
+                return v  # (kernels test is_same: attention's self-attention path)
             view = decode_view(data)
             t = self.tensors.get(view.base)
             if t is None or type(t) is Poison:
@@ -276,6 +282,7 @@ class Session(SessionState):
                 return None
             self.refs[id(v)] = view.base  # writes through the view land in the base
             self._keep.append(v)
+            self._views[data] = v
             return v
         if code == EXT_HOST:
             dtype, shape, raw = decode_host(data)
