@@ -148,6 +148,12 @@ def _is_pinned(func, info, args, kwargs):
     return False
 
 
+def _pin_memory(func, info, args, kwargs):
+    """Refused here with the CPU kernel's words (the server would have said it has no
+    accelerator to pin for)."""
+    raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
+
+
 def _lift_fresh(func, info, args, kwargs):
     """`lift_fresh` returns its argument (`torch.tensor(...)` ends with it): no message."""
     return args[0]
@@ -207,6 +213,7 @@ HANDLERS = {
     aten.copy_.default: _copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.is_pinned.default: _is_pinned,
+    aten._pin_memory.default: _pin_memory,
     aten.lift_fresh.default: _lift_fresh,
     aten.set_.source_Storage: _set_storage,
     aten.set_.source_Storage_storage_offset: _set_storage,

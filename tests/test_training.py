@@ -431,6 +431,14 @@ def test_pin_memory_works_and_feeds_uploads(dev):
     assert torch.equal(p.to(dev).cpu(), t)
 
 
+def test_pinning_an_rgpu_tensor_is_refused_as_cuda_refuses_it(dev):
+    x = torch.arange(4.0, device=dev)
+    assert not x.is_pinned()
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        x.pin_memory()
+    assert x.sum().item() == 6.0  # refused at the call: nothing reached the server
+
+
 def test_sessions_have_their_own_random_streams(server, dev):
     import subprocess
     import sys
