@@ -8,7 +8,8 @@ repeat, and decodes greedily with the KV cache. Then it connects through `python
 (its own process, 50 ms round trip) and measures tokens per second with the stop check running
 ahead (`generate_lookahead`, the default) and checking every token (0), against the ideal of one
 round trip per token: 1 / (RTT + local time per token). Decoding is also measured as
-transformers' fast-generation recipe has it: a static cache and a compiled forward.
+transformers' fast-generation recipe has it: a static cache and a compiled forward; training
+also with the rgpu model under `torch.compile` (against the same eager CPU step).
 
     python benchmarks/bench_hf.py [--out FILE.json] [--repeats 5] [--rtt-ms 50]
 """
@@ -96,14 +97,23 @@ def train_step(
     return step
 
 
-def bench_training(remote: Remote, name: str, make, steps: int, repeats: int) -> dict[str, Any]:
+def bench_training(
+    remote: Remote, name: str, make, steps: int, repeats: int, compiled: bool = False
+) -> dict[str, Any]:
+    """A training step on rgpu against the same eager step on local CPU torch; `compiled`:
+    rgpu's model runs through `torch.compile(model, backend=rgpu.compile_backend())`, forward
+    and backward each one shipped graph, and the CPU's stays eager (what a user compares)."""
     torch.manual_seed(0)
     cpu_model, batch = make()
     rgpu_model = copy.deepcopy(cpu_model).to("rgpu")
     cpu_model.train(), rgpu_model.train()
-    local, remote_step = train_step(cpu_model, batch, "cpu"), train_step(rgpu_model, batch, "rgpu")
+    local = train_step(cpu_model, batch, "cpu")
+    run = torch.compile(rgpu_model, backend=rgpu.compile_backend()) if compiled else rgpu_model
+    remote_step = train_step(run, batch, "rgpu")
+    t0 = time.perf_counter()
     for _ in range(2):
         local(), remote_step()
+    warm_s = time.perf_counter() - t0
     local_ms, remote_ms, deltas, cpu = [], [], [], []
     for r in range(repeats):
         for which in ("rgpu", "local") if r % 2 == 0 else ("local", "rgpu"):
@@ -122,9 +132,10 @@ def bench_training(remote: Remote, name: str, make, steps: int, repeats: int) ->
             deltas.append(stats_delta(before, remote.stats()))
     losses = (remote_step(), local())
     ratio = statistics.median(remote_ms) / statistics.median(local_ms)
-    log(f"train {name}: rgpu {statistics.median(remote_ms):.1f} ms, local "
-        f"{statistics.median(local_ms):.1f} ms, {ratio:.2f}x")  # fmt: skip
+    log(f"train {name}{' compiled' if compiled else ''}: rgpu {statistics.median(remote_ms):.1f} "
+        f"ms, local {statistics.median(local_ms):.1f} ms, {ratio:.2f}x")  # fmt: skip
     return {
+        "warm_up_s": warm_s,  # the first two steps (a compiled model compiles there)
         "rgpu_ms_per_step": summary(remote_ms),
         "local_ms_per_step": summary(local_ms),
         "ratio_of_medians": ratio,
@@ -328,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rtt-ms", type=float, default=50.0)
     p.add_argument("--only", nargs="*", help="models to run (default: all)")
-    p.add_argument("--no-compiled", action="store_true", help="skip compiled static-cache decode")
+    p.add_argument(
+        "--no-compiled", action="store_true",
+        help="skip compiled training and compiled static-cache decode",
+    )  # fmt: skip
     args = p.parse_args(argv)
     proc, url = start_server(None)
     try:
@@ -347,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         doc["training"] = {
             n: bench_training(remote, n, m, args.steps, args.repeats) for n, m in chosen.items()
         }
+        if not args.no_compiled:
+            doc["training_compiled"] = {
+                n: bench_training(remote, n, m, args.steps, args.repeats, compiled=True)
+                for n, m in chosen.items()
+            }
         doc["decode"] = {
             n: bench_decode(remote, n, m, args.tokens, args.repeats)
             for n, m in chosen.items() if n in ("gpt2", "llama")

@@ -70,6 +70,28 @@ def section_hf(doc: dict[str, Any]) -> list[str]:
             f"{_f(_med(r['client_cpu_ms_per_step']), 1)} | "
             f"{_f(_med(r['server_cpu_ms_per_step']), 1)} |"
         )
+    trained = doc.get("training_compiled", {})
+    if trained:
+        lines += [
+            "",
+            "The same steps with rgpu's model under `torch.compile(model, "
+            "backend=rgpu.compile_backend())` (forward and backward one shipped graph each), "
+            "against the same eager step on local CPU torch; warm-up: the first two steps, "
+            "compiling included:",
+            "",
+            "| model | rgpu ms/step | local ms/step | ratio | target | messages/step | "
+            "client CPU ms/step | server CPU ms/step | warm-up s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, r in trained.items():
+            lines.append(
+                f"| {name} | {_f(_med(r['rgpu_ms_per_step']), 1)} | "
+                f"{_f(_med(r['local_ms_per_step']), 1)} | {_f(r['ratio_of_medians'])}× | "
+                f"≤ {r['target_ratio']:g}× ({_yes(r['meets_target'])}) | "
+                f"{r['messages_per_step']:.0f} | "
+                f"{_f(_med(r['client_cpu_ms_per_step']), 1)} | "
+                f"{_f(_med(r['server_cpu_ms_per_step']), 1)} | {r.get('warm_up_s', 0):.1f} |"
+            )
     lines += [
         "",
         "Greedy decoding with the KV cache (`generate`, the same tokens as local CPU torch):",

@@ -245,6 +245,10 @@ class ShippedGraph:
                 outs.append(payload)
                 ids.append(None)
         sess.post((Kind.CALL, self.key, refs, ids), device=where)
+        # a whole graph of work: the server starts on it now, while this thread goes on (the
+        # quiet flush waits for a pause in the client's messages, which may not come before the
+        # next wait; that made a compiled training step client time plus server time)
+        sess.send_queued()
         del handles
         return outs
 

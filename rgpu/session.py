@@ -264,6 +264,12 @@ class Session(WaitMixin, TransferMixin, ReconnectMixin):
                 self._drain_frees_locked()
                 self.flush_locked()
 
+    def send_queued(self) -> None:
+        """Send the queue now (no wait, no segment end): after a message that holds much work."""
+        with self.lock:
+            if self.stream.pending and self.broken is None and not self.closed:
+                self.flush_locked()
+
     def to_device_locked(self, device: int) -> None:
         """Queue DEVICE: the server runs the messages after it on `device` (lock held)."""
         self.replay.end()  # held ops run on the device they were issued for: they go first

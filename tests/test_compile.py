@@ -118,6 +118,9 @@ def test_a_compiled_step_is_four_messages_and_one_wait_per_item(session):
     s0 = rgpu.stats()
     opt.zero_grad()
     loss = step(model, x, y)
+    # a graph goes out with its CALL, so the server computes while the client goes on (the
+    # quiet flush would have waited for a pause in the client's messages)
+    assert rgpu.stats()["frames"] > s0["frames"]
     loss.backward()
     opt.step()
     s1 = rgpu.stats()
