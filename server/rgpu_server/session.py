@@ -71,8 +71,9 @@ class Session(SessionState):
         self.ended = False
         self._busy = False
         self._sink_generation = 0  # the connection the chunks in progress come on
-        self._keep: list = []  # views built for the current message (their id()s stay valid)
-        self._views: dict[bytes, torch.Tensor] = {}  # the same, by their wire bytes
+        # views built for the current message, by their wire bytes: one tensor for a view named
+        # twice, and kept alive so that their id()s in `refs` stay valid
+        self._views: dict[bytes, torch.Tensor] = {}
         self._worker = threading.Thread(
             target=self._run, name=f"rgpu-session-{self.hex}", daemon=True
         )
@@ -201,7 +202,6 @@ class Session(SessionState):
         self.sink = None
         self.bad = None
         self.refs = {}
-        self._keep = []
         self._views = {}
 
     def _run_frame(self, frame: bytes, generation: int) -> None:
@@ -224,7 +224,6 @@ class Session(SessionState):
             self.bad = None
             if self.refs:
                 self.refs = {}
-                self._keep = []
                 self._views = {}
 
     def _take_chunk(self, frame: bytes) -> None:
@@ -281,7 +280,6 @@ class Session(SessionState):
                         self.first_error = (self.bad.label, self.bad.message, self.bad.seq)
                 return None
             self.refs[id(v)] = view.base  # writes through the view land in the base
-            self._keep.append(v)
             self._views[data] = v
             return v
         if code == EXT_HOST:
