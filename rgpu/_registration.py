@@ -22,8 +22,10 @@ from . import (
     autocast,
     backward_errors,
     compile,
+    current_device,
     device_module,
     device_paths,
+    devices,
     dispatch,
     distributed,
     host_memory,
@@ -87,6 +89,7 @@ def register() -> None:
     tensor.install(dispatch.dispatch, special_ops.tensor_repr, _on_first_trace)
     plans.SPECIAL.update(special_ops.HANDLERS)
     plans.SPECIAL.update(nested_ops.HANDLERS)
+    devices.on_other_device = current_device.install
     _setup_privateuseone_for_python_backend(tensor.DEVICE_TYPE, backend_module=device_module.module)
     tensor.DEVICE = torch.device(tensor.DEVICE_TYPE, 0)
     tensor.DEVICES = [tensor.DEVICE]

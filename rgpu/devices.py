@@ -114,7 +114,14 @@ def index_of(device: Any) -> int:
     return current() if d.index is None else check_index(d.index, str(d))
 
 
+# rgpu.current_device.install, wired in by rgpu._registration: the calls whose device PyTorch
+# resolves in C++ learn the current device once it is not rgpu:0
+on_other_device: Any = None
+
+
 def set_current(index: int) -> None:
+    if index and on_other_device is not None:
+        on_other_device()
     _local.index = index
 
 

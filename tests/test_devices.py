@@ -58,6 +58,38 @@ def test_the_device_api_counts_names_and_selects_devices(devs):
     assert y.item() == 12.0
 
 
+def test_rgpu_without_an_index_is_the_current_device_in_every_call(devs):
+    """PyTorch resolves an index-less device in C++ for these (its guard for a Python backend
+    always answers 0): they landed on rgpu:0 whatever the current device."""
+    data = [[1.0, 2.0], [3.0, 4.0]]
+    cpu = torch.tensor(data)
+    x1 = torch.tensor(data, device="rgpu:1")
+    torch.rgpu.set_device(1)
+    here = torch.device("rgpu", 1)
+    made = {
+        "to(str)": cpu.to("rgpu"),
+        "to(device)": cpu.to(torch.device("rgpu")),
+        "to(device, dtype)": cpu.to(torch.device("rgpu"), torch.float64),
+        "to(device=)": cpu.to(device="rgpu", non_blocking=True),
+        "tensor": torch.tensor(data, device="rgpu"),
+        "as_tensor": torch.as_tensor(data, dtype=torch.float32, device="rgpu"),
+        "as_tensor(device=)": torch.as_tensor(cpu, device=torch.device("rgpu")),
+        "new_tensor": cpu.new_tensor(data, device="rgpu"),
+        "module.to": torch.nn.Linear(2, 2).to("rgpu").weight,
+    }
+    for what, t in made.items():
+        assert t.device == here, what
+    for what in ("to(str)", "to(device)", "to(device, dtype)", "tensor", "new_tensor"):
+        assert made[what].cpu().tolist() == data, what
+    assert x1.to("rgpu") is x1  # already there: no copy, as on CUDA
+    with torch.rgpu.device(2):
+        assert cpu.to("rgpu").device == torch.device("rgpu", 2)
+    torch.rgpu.set_device(0)
+    assert cpu.to("rgpu").device == torch.device("rgpu", 0)
+    assert x1.to("rgpu").device == torch.device("rgpu", 0)
+    assert cpu.to("cpu") is cpu and cpu.to(torch.float64).dtype == torch.float64
+
+
 def test_memory_is_counted_per_device(devs):
     before = [torch.rgpu.memory_allocated(i) for i in range(4)]
     a = torch.empty(256, 1024, device="rgpu:1")  # 1 MiB
