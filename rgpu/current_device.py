@@ -66,5 +66,19 @@ def install() -> None:
     # to(other) pass through
     torch.Tensor.to = _fill(torch.Tensor.to, 1)  # type: ignore[method-assign]
     torch.Tensor.new_tensor = _fill(torch.Tensor.new_tensor, None)  # type: ignore[method-assign]
-    torch.tensor = _fill(torch.tensor, None)
-    torch.as_tensor = _fill(torch.as_tensor, None)
+    torch.tensor = _builtin(_fill(torch.tensor, None), torch.tensor)
+    torch.as_tensor = _builtin(_fill(torch.as_tensor, None), torch.as_tensor)
+
+
+def _builtin(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """TorchScript compiles `torch.tensor(...)` as the aten op it knows the function as: the
+    wrapper must be known as that op too, or scripting a function that calls it fails."""
+    try:
+        from torch.jit import _builtins
+
+        op = _builtins._find_builtin(fn)
+        if op is not None:
+            _builtins._register_builtin(wrapper, op)
+    except (ImportError, AttributeError):  # another torch's private API: scripting may fail
+        pass
+    return wrapper

@@ -90,6 +90,24 @@ def test_rgpu_without_an_index_is_the_current_device_in_every_call(devs):
     assert cpu.to("cpu") is cpu and cpu.to(torch.float64).dtype == torch.float64
 
 
+def test_torchscript_and_compile_see_pytorchs_own_calls_after_a_device_switch(devs):
+    """The wrappers that fill in the current device stand for PyTorch's functions in the
+    compilers: TorchScript knows them as the same aten ops, torch.compile traces no break."""
+    torch.rgpu.set_device(1)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float64) + torch.tensor([1.0, 2.0], dtype=torch.float64)
+
+    x = torch.ones(2)
+    assert torch.jit.script(f)(x).tolist() == [2.0, 3.0]
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(f, backend="eager", fullgraph=True)
+        assert compiled(x).tolist() == [2.0, 3.0]
+    finally:
+        torch._dynamo.reset()
+
+
 def test_memory_is_counted_per_device(devs):
     before = [torch.rgpu.memory_allocated(i) for i in range(4)]
     a = torch.empty(256, 1024, device="rgpu:1")  # 1 MiB
