@@ -126,7 +126,9 @@ def _rgpu_frames_run_eagerly() -> None:
     """Dynamo never traces rgpu's own code. Between the graphs of a function with a graph break
     (`if x.sum() > 0`, `.item()`, `x[x > 0]`), Dynamo's frame hook sees rgpu's dispatch frames run
     eagerly and, taking them for user code, compiled them: a read then met a fake tensor.
-    `rgpu.models` holds models to compile, so it stays traceable."""
+    `rgpu.models` holds models to compile, and `rgpu.current_device` the wrappers user code calls
+    in place of `torch.tensor` and its kin (Dynamo traces through them to PyTorch's own call),
+    so they stay traceable."""
     import os
     import pkgutil
 
@@ -135,7 +137,7 @@ def _rgpu_frames_run_eagerly() -> None:
     package = __name__.rpartition(".")[0]
     rules.add("rgpu_protocol")
     for module in pkgutil.iter_modules([os.path.dirname(__file__)]):
-        if module.name != "models":
+        if module.name not in ("models", "current_device"):
             rules.add(f"{package}.{module.name}")
 
 

@@ -93,6 +93,8 @@ def test_rgpu_without_an_index_is_the_current_device_in_every_call(devs):
 def test_torchscript_and_compile_see_pytorchs_own_calls_after_a_device_switch(devs):
     """The wrappers that fill in the current device stand for PyTorch's functions in the
     compilers: TorchScript knows them as the same aten ops, torch.compile traces no break."""
+    # rgpu marks its own modules for Dynamo to skip at its first graph on rgpu
+    torch.compile(lambda t: t * 2, backend=rgpu.compile_backend())(torch.ones(2, device="rgpu"))
     torch.rgpu.set_device(1)
 
     def f(x: torch.Tensor) -> torch.Tensor:
