@@ -20,12 +20,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._device as _device_context
 
 from . import devices as _devices
 from . import tensor as _tensor
 
 _installed = False
 _is_compiling = torch.compiler.is_compiling
+_modes = torch._C._len_torch_function_stack
+_mode_at = torch._C._get_function_stack_at
 
 
 def _indexed(device: Any) -> Any:
@@ -39,13 +42,24 @@ def _indexed(device: Any) -> Any:
     return device
 
 
-def _fill(fn: Callable[..., Any], positional: int | None) -> Callable[..., Any]:
-    """`fn` with its `device` argument (keyword, or positional at `positional`) indexed."""
+def _fill(
+    fn: Callable[..., Any], positional: int | None, constructor: bool = False
+) -> Callable[..., Any]:
+    """`fn` with its `device` argument (keyword, or positional at `positional`) indexed; for a
+    `constructor` given none, the device of a `with torch.device(...)` / `set_default_device`."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         # traced by torch.compile: PyTorch's own call, so the wrapper adds no graph break
-        if not _is_compiling() and _devices.current():
+        if _is_compiling():
+            return fn(*args, **kwargs)
+        if constructor and "device" not in kwargs and _modes():
+            # a device context lies at the bottom of the mode stack: its device, given here (the
+            # context finds the call by identity, in a table that may hold the wrapper)
+            bottom = _mode_at(0)
+            if type(bottom) is _device_context.DeviceContext:
+                kwargs["device"] = _indexed(bottom.device)
+        if _devices.current():
             device = kwargs.get("device")
             if device is not None:
                 kwargs["device"] = _indexed(device)
@@ -62,12 +76,20 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    # PyTorch finds these by identity. A `torch.device(...)` context (`torch.device("meta")`,
+    # which transformers' loading asks about through `torch.tensor([]).device`) fills its table
+    # on first use and is reached by PyTorch's own functions: fill it before the wrapping (the
+    # wrappers also give the context's device themselves). A lazy module's uninitialized
+    # parameter lets through the methods it lists, and a method reaches it as what
+    # `torch.Tensor` holds, the wrapper.
+    _device_context._device_constructors()
     # Tensor.to(device, ...) (args[0] is the tensor), Tensor.to(device=...); to(dtype) and
     # to(other) pass through
     torch.Tensor.to = _fill(torch.Tensor.to, 1)  # type: ignore[method-assign]
     torch.Tensor.new_tensor = _fill(torch.Tensor.new_tensor, None)  # type: ignore[method-assign]
-    torch.tensor = _builtin(_fill(torch.tensor, None), torch.tensor)
-    torch.as_tensor = _builtin(_fill(torch.as_tensor, None), torch.as_tensor)
+    torch.tensor = _builtin(_fill(torch.tensor, None, True), torch.tensor)
+    torch.as_tensor = _builtin(_fill(torch.as_tensor, None, True), torch.as_tensor)
+    torch.nn.parameter.UninitializedTensorMixin._allowed_methods.append(torch.Tensor.to)
 
 
 def _builtin(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> Callable[..., Any]:

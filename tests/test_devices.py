@@ -110,6 +110,41 @@ def test_torchscript_and_compile_see_pytorchs_own_calls_after_a_device_switch(de
         torch._dynamo.reset()
 
 
+def test_device_contexts_and_lazy_modules_after_a_device_switch(devs):
+    """The current-device wrappers stand for PyTorch's functions where PyTorch finds them by
+    identity: `torch.tensor` under `torch.device("meta")` made CPU tensors once a device switch
+    had put them in, so transformers' `from_pretrained` on the CPU (which asks
+    `torch.tensor([]).device`) skipped initialising its rotary buffers: garbage logits, no error."""
+    torch.rgpu.set_device(1)
+    torch.rgpu.set_device(0)
+    # a table PyTorch fills on first use, here after the wrapping (as in a fresh kernel where
+    # the first `with torch.device(...)` comes after a device switch)
+    from torch.utils import _device as device_context
+
+    device_context._device_constructors.cache_clear()
+    for where, expected in (("meta", "meta"), ("rgpu:1", "rgpu:1"), ("cpu", "cpu")):
+        with torch.device(where):
+            made = [torch.tensor([1.0, 2.0]), torch.as_tensor([3]), torch.zeros(1)]
+        assert [str(t.device) for t in made] == [expected] * 3, where
+    torch.rgpu.set_device(1)
+    with torch.device("rgpu"):  # the current device, as a factory under the context gives
+        assert [torch.tensor([1.0]).device, torch.zeros(1).device] == [torch.device("rgpu", 1)] * 2
+    torch.set_default_device("rgpu:2")
+    try:
+        assert torch.tensor([1.0]).device == torch.device("rgpu", 2)
+        assert torch.tensor([1.0], device="rgpu").device == torch.device("rgpu", 1)
+    finally:
+        torch.set_default_device(None)
+    assert torch.tensor([1.0]).device.type == "cpu"
+
+    lazy = torch.nn.LazyLinear(3).to(torch.float64)  # `to` of an uninitialized parameter
+    assert lazy(torch.ones(2, 4, dtype=torch.float64)).dtype == torch.float64
+    lazy.to("rgpu")
+    assert lazy.weight.device == torch.device("rgpu", 1)
+    x = torch.ones(2, 4, dtype=torch.float64)
+    torch.testing.assert_close(lazy(x.to("rgpu")).cpu(), lazy.to("cpu")(x), rtol=0, atol=0)
+
+
 def test_memory_is_counted_per_device(devs):
     before = [torch.rgpu.memory_allocated(i) for i in range(4)]
     a = torch.empty(256, 1024, device="rgpu:1")  # 1 MiB
