@@ -29,8 +29,10 @@ from . import (
     dispatch,
     distributed,
     host_memory,
+    module_moves,
     nested_ops,
     plans,
+    saving,
     special_ops,
     tensor,
     torch_load,
@@ -86,7 +88,8 @@ def register() -> None:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    tensor.install(dispatch.dispatch, special_ops.tensor_repr, _on_first_trace)
+    tensor.install(dispatch.dispatch, special_ops.tensor_repr, _on_first_trace, saving)
+    saving.install()
     plans.SPECIAL.update(special_ops.HANDLERS)
     plans.SPECIAL.update(nested_ops.HANDLERS)
     devices.on_other_device = current_device.install
@@ -101,6 +104,7 @@ def register() -> None:
     lib.impl("_copy_from_and_resize", special_ops.copy_from_and_resize, "PrivateUse1")
     autocast.install()
     host_memory.install()
+    module_moves.install()
     distributed.install()
     torch_load.install()
     backward_errors.install()

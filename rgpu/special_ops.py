@@ -16,6 +16,7 @@ from . import peer_copy, storage_ids
 from . import tensor as _tensor
 from .dispatch import dispatch
 from .plans import check_session
+from .strides import row_major
 from .tensor import RemoteTensor
 
 aten = torch.ops.aten
@@ -180,7 +181,9 @@ def _set_storage(func, info, args, kwargs):
     if layout or kwargs:
         offset = layout[0] if layout else kwargs["storage_offset"]
         size = layout[1] if len(layout) > 1 else kwargs["size"]
-        stride = layout[2] if len(layout) > 2 else kwargs.get("stride") or dense_strides(size)
+        stride = layout[2] if len(layout) > 2 else kwargs.get("stride")
+        if stride is None:  # `()` is a 0-dim tensor's own
+            stride = row_major(tuple(size))
         flat = flat.as_strided(size, stride, offset)
     t.set_(flat)
     storage_ids.alias(t._r, handle)

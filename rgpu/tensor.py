@@ -128,11 +128,14 @@ def _not_registered(*args: Any, **kwargs: Any) -> Any:
 _dispatch: Callable = _not_registered  # the body of __torch_dispatch__ (rgpu.dispatch)
 _repr: Callable = _not_registered  # repr with one download (rgpu.special_ops)
 _on_first_trace: Callable | None = None  # torch.compile traces a RemoteTensor (rgpu.compile)
+_reduce: Callable = _not_registered  # pickling, torch.save (rgpu.saving)
+_copy: Callable = _not_registered  # copy.copy (rgpu.saving)
 
 
-def install(dispatch: Callable, repr_: Callable, on_first_trace: Callable) -> None:
-    global _dispatch, _repr, _on_first_trace
+def install(dispatch: Callable, repr_: Callable, on_first_trace: Callable, saving: Any) -> None:
+    global _dispatch, _repr, _on_first_trace, _reduce, _copy
     _dispatch, _repr, _on_first_trace = dispatch, repr_, on_first_trace
+    _reduce, _copy = saving.reduce_ex, saving.shallow_copy
 
 
 class RemoteTensor(torch.Tensor):
@@ -301,12 +304,10 @@ class RemoteTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, proto: int) -> Any:
-        """Pickle (and torch.save) as a plain CPU tensor: loadable anywhere, with weights_only=True
-        and without rgpu. `load_state_dict` moves it back onto rgpu parameters."""
-        data = self.detach().cpu()
-        if self.requires_grad:
-            data.requires_grad_(True)
-        return data.__reduce_ex__(proto)
+        return _reduce(self, proto)  # pickled (torch.save) as a CPU tensor: rgpu.saving
+
+    def __copy__(self) -> torch.Tensor:
+        return _copy(self)
 
 
 _make = torch.Tensor._make_wrapper_subclass

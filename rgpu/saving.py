@@ -1,0 +1,76 @@
+"""Pickling rgpu tensors (`torch.save`, `pickle`, `copy.copy`).
+
+An rgpu tensor is pickled as a plain CPU tensor (a parameter as a parameter): the file loads
+anywhere, with `weights_only=True` and without rgpu; `load_state_dict` moves it back onto rgpu
+parameters and `torch.load(map_location="rgpu")` uploads it.
+
+PyTorch pickles a tensor with its whole storage, so tensors that share one (a view and its base,
+two halves of a fused weight) share it in the file and again after loading. Within one
+`torch.save` each server storage is downloaded once and each tensor on it becomes a view of that
+CPU copy, with its own offset and strides. Before, each tensor was downloaded on its own: a view
+and its base came back as two unrelated tensors (a write to one no longer showed in the other),
+and the file held their bytes twice.
+
+`copy.copy(t)` is, as for a CPU or CUDA tensor, a new tensor over the same storage (it went
+through pickling and came back on the CPU).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any
+
+import torch
+
+_downloaded: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "rgpu_saving", default=None
+)  # within one torch.save: server storage address -> its bytes on the CPU
+_original_save = torch.serialization.save
+
+
+def _host_storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The bytes of `t`'s whole server storage, downloaded once per `torch.save`."""
+    storage = t.untyped_storage()
+    memo = _downloaded.get()
+    key = storage.data_ptr()
+    host = memo.get(key) if memo is not None else None
+    if host is None:
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        host = whole.cpu().untyped_storage()
+        if memo is not None:
+            memo[key] = host
+    return host
+
+
+def reduce_ex(t: torch.Tensor, proto: int) -> Any:
+    host = torch.empty(0, dtype=t.dtype)
+    host.set_(_host_storage(t), t.storage_offset(), t.shape, t.stride())
+    if getattr(t, "_is_param", False):
+        return torch.nn.Parameter(host, requires_grad=t.requires_grad).__reduce_ex__(proto)
+    if t.requires_grad:
+        host.requires_grad_(True)
+    return host.__reduce_ex__(proto)
+
+
+def shallow_copy(t: torch.Tensor) -> torch.Tensor:
+    alias = t.detach().requires_grad_(t.requires_grad)
+    if getattr(t, "_is_param", False):
+        return torch.nn.Parameter(alias, requires_grad=t.requires_grad)
+    return alias
+
+
+@functools.wraps(_original_save)
+def save(*args: Any, **kwargs: Any) -> Any:
+    token = _downloaded.set({})
+    try:
+        return _original_save(*args, **kwargs)
+    finally:
+        _downloaded.reset(token)
+
+
+def install() -> None:
+    """`torch.save` (and `torch.serialization.save`) keep one download per storage."""
+    if torch.serialization.save is _original_save:
+        torch.serialization.save = save
+        torch.save = save
