@@ -50,7 +50,7 @@ def _swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
     slots = set(copyreg._slotnames(t1.__class__))  # type: ignore[attr-defined]
     if slots != set(copyreg._slotnames(t2.__class__)):  # type: ignore[attr-defined]
         raise RuntimeError("Cannot swap t1 and t2 if they have different slots")
-    if t1.requires_grad and t1.is_leaf:
+    if t1.requires_grad and t1.is_leaf and t1._use_count() > 1:  # a graph may hold it
         torch.autograd.graph.get_gradient_edge(t1).node.register_prehook(
             backward_errors.guarded(_refuse_stale)  # raised once the engine returns
         )

@@ -123,6 +123,11 @@ def _copy_to_cpu(dst: torch.Tensor, src: RemoteTensor, non_blocking: bool) -> to
 
 
 def upload_into(dst: RemoteTensor, src: torch.Tensor) -> RemoteTensor:
+    if isinstance(src, torch.nn.parameter.UninitializedTensorMixin):
+        raise RuntimeError(
+            "a lazy module's uninitialized parameters and buffers cannot move to rgpu: run one "
+            "forward on the CPU first (`model(example_input)`), then move the model"
+        )
     if src.device.type != "cpu":
         raise RuntimeError(
             f"cannot copy a {src.device.type} tensor to rgpu directly; move it to the CPU first"
