@@ -102,6 +102,7 @@ def register() -> None:
         lib.impl(op, special_ops.factory(op), "PrivateUse1")
     lib.impl("_copy_from", special_ops.copy_from, "PrivateUse1")
     lib.impl("_copy_from_and_resize", special_ops.copy_from_and_resize, "PrivateUse1")
+    lib.impl("_local_scalar_dense", special_ops.local_scalar_dense, "PrivateUse1")
     autocast.install()
     host_memory.install()
     module_moves.install()

@@ -211,7 +211,24 @@ def _host_composite(func, info, args, kwargs):
     return func.redispatch(_COMPOSITE, *args, **kwargs)
 
 
+def _made_elsewhere(func, info, args, kwargs):
+    """`torch.zeros_like(x, device="cpu")`, `x.new_zeros(n, device="cpu")`: made on the device
+    named, from `x`'s metadata, as on CUDA (they stayed on rgpu)."""
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type == _tensor.DEVICE_TYPE:
+        return generic(func, info, args, kwargs)
+    return func(_tensor.meta_of_key(args[0]._r.key), *args[1:], **kwargs)
+
+
+_LIKE = ("empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+         "randint_like", "new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full")  # fmt: skip
+
 HANDLERS = {
+    **{
+        getattr(getattr(aten, name), overload): _made_elsewhere
+        for name in _LIKE
+        for overload in getattr(aten, name).overloads()
+    },
     aten._pack_padded_sequence.default: _host_composite,
     aten._to_copy.default: _to_copy,
     aten.to.device: _decomposed,
@@ -248,6 +265,12 @@ def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) 
     if isinstance(src, RemoteTensor) and not isinstance(dst, RemoteTensor):
         return _copy_to_cpu(dst, src, non_blocking)
     return dispatch(aten.copy_.default, (dst, src), {})
+
+
+def local_scalar_dense(x: torch.Tensor) -> Any:
+    """PrivateUse1 `_local_scalar_dense`: `torch.tensor([a, b])` of rgpu scalars reads each with
+    Python dispatch excluded, so it reaches the backend's kernel."""
+    return _session_of(x).download(x).item()
 
 
 def copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

@@ -115,3 +115,56 @@ def test_ctc_loss_takes_its_lengths_on_the_cpu_as_cuda_does(dev, reduction):
             F.ctc_loss(remote, targets.to(dev), *lengths, reduction=reduction).cpu(),
             expected.detach(),
         )
+
+
+LIKE = {
+    "empty_like": lambda x, d: torch.empty_like(x, device=d),
+    "zeros_like": lambda x, d: torch.zeros_like(x, device=d),
+    "ones_like": lambda x, d: torch.ones_like(x, device=d, dtype=torch.float64),
+    "full_like": lambda x, d: torch.full_like(x, 7, device=d),
+    "rand_like": lambda x, d: torch.rand_like(x, device=d),
+    "randn_like": lambda x, d: torch.randn_like(x, device=d),
+    "randint_like": lambda x, d: torch.randint_like(x, 3, 9, device=d),
+    "new_empty": lambda x, d: x.new_empty((2, 5), device=d),
+    "new_zeros": lambda x, d: x.new_zeros(4, device=d),
+    "new_ones": lambda x, d: x.new_ones((1, 2), device=d),
+    "new_full": lambda x, d: x.new_full((3,), -1.5, device=d),
+    "new_empty_strided": lambda x, d: x.new_empty_strided((2, 2), (1, 2), device=d),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIKE))
+def test_like_and_new_factories_make_their_tensor_on_the_device_named(dev, name):
+    """`torch.zeros_like(x, device="cpu")` of an rgpu `x` came back on rgpu (made by the server
+    on its own CPU, under a wrapper that said rgpu)."""
+    make = LIKE[name]
+    local = torch.arange(12.0).reshape(4, 3).t()  # a layout the like factories keep
+    remote = local.to(dev)
+    for x, target in ((remote, "cpu"), (local, dev), (remote, dev)):
+        torch.manual_seed(4)
+        out = make(x, target)
+        torch.manual_seed(4)
+        expected = make(local, "cpu")
+        assert out.device.type == torch.device(target).type
+        assert (out.shape, out.stride(), out.dtype) == (
+            expected.shape,
+            expected.stride(),
+            expected.dtype,
+        )
+        if name not in ("empty_like", "new_empty", "new_empty_strided"):
+            # random on the CPU: the CPU generator, as on CUDA; on rgpu the CPU server's, seeded
+            # alike by torch.manual_seed
+            assert torch.equal(out.cpu(), expected)
+
+
+def test_torch_tensor_of_rgpu_scalars_reads_them(dev):
+    """`torch.tensor([loss_a, loss_b])` reads each element with Python dispatch excluded: it
+    reached rgpu's backend kernel, which had none ("Could not run 'aten::_local_scalar_dense'")."""
+    x = torch.arange(6.0, device=dev).view(2, 3)
+    losses = [x[i].sum() for i in range(2)]
+    assert torch.tensor(losses).tolist() == [3.0, 12.0]
+    assert torch.tensor([[x[0, 1], 2.0], [3, x[1, 1]]], device=dev).cpu().tolist() == [
+        [1.0, 2.0],
+        [3.0, 4.0],
+    ]
+    assert torch.as_tensor([x[1, 2]], dtype=torch.float64).tolist() == [5.0]
