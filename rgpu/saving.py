@@ -9,7 +9,8 @@ two halves of a fused weight) share it in the file and again after loading. With
 `torch.save` each server storage is downloaded once and each tensor on it becomes a view of that
 CPU copy, with its own offset and strides. Before, each tensor was downloaded on its own: a view
 and its base came back as two unrelated tensors (a write to one no longer showed in the other),
-and the file held their bytes twice.
+and the file held their bytes twice. The tensors `torch.save` is given in a state dict, an
+optimizer's, a list or a module are downloaded together first, with one wait.
 
 `copy.copy(t)` is, as for a CPU or CUDA tensor, a new tensor over the same storage (it went
 through pickling and came back on the CPU).
@@ -22,6 +23,11 @@ import functools
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+
+from . import current as _cur
+from . import devices as _devices
+from .tensor import RemoteTensor
 
 _downloaded: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "rgpu_saving", default=None
@@ -60,11 +66,42 @@ def shallow_copy(t: torch.Tensor) -> torch.Tensor:
     return alias
 
 
+def _remote_tensors(obj: Any) -> list[RemoteTensor]:
+    found = []
+    for leaf in pytree.tree_leaves(obj):
+        if isinstance(leaf, torch.nn.Module):
+            found.extend(
+                t for t in (*leaf.parameters(), *leaf.buffers()) if type(t) is RemoteTensor
+            )
+        elif type(leaf) is RemoteTensor:
+            found.append(leaf)
+    return found
+
+
+def _prefetch(obj: Any, memo: dict) -> None:
+    """The storages of the rgpu tensors in `obj` (a state dict, an optimizer's, a module),
+    downloaded together: one wait for a checkpoint, not one per tensor."""
+    pending = []
+    for t in _remote_tensors(obj):
+        storage = t.untyped_storage()
+        if storage.data_ptr() in memo:
+            continue
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        host = torch.empty(whole.numel(), dtype=torch.uint8)
+        sess = t._r.sess if _devices.MULTI and t._r.sess is not None else _cur.current()
+        pending.append((sess, sess.download_later(whole, into=host)[1]))
+        memo[storage.data_ptr()] = host.untyped_storage()
+    for sess, waiter in reversed(pending):  # replies come in order: the last one's wait is all
+        sess.wait_for(waiter)
+
+
 @functools.wraps(_original_save)
-def save(*args: Any, **kwargs: Any) -> Any:
-    token = _downloaded.set({})
+def save(obj: Any, *args: Any, **kwargs: Any) -> Any:
+    memo: dict = {}
+    token = _downloaded.set(memo)
     try:
-        return _original_save(*args, **kwargs)
+        _prefetch(obj, memo)
+        return _original_save(obj, *args, **kwargs)
     finally:
         _downloaded.reset(token)
 
