@@ -1,4 +1,4 @@
-"""Pickling rgpu tensors (`torch.save`, `pickle`, `copy.copy`).
+"""Pickling and copying rgpu tensors (`torch.save`, `pickle`, `copy.copy`, `copy.deepcopy`).
 
 An rgpu tensor is pickled as a plain CPU tensor (a parameter as a parameter): the file loads
 anywhere, with `weights_only=True` and without rgpu; `load_state_dict` moves it back onto rgpu
@@ -13,12 +13,16 @@ and the file held their bytes twice. The tensors `torch.save` is given in a stat
 optimizer's, a list or a module are downloaded together first, with one wait.
 
 `copy.copy(t)` is, as for a CPU or CUDA tensor, a new tensor over the same storage (it went
-through pickling and came back on the CPU).
+through pickling and came back on the CPU). `copy.deepcopy` copies each storage once, so copied
+views stay views of the copied base, and a parameter as `nn.Parameter` does (its data, not its
+gradient). Its attributes are copied, but never the copied tensor's own: the copy of a tensor
+torch.compile had traced kept that tensor's cached handle, and compiled code ran on the original.
 """
 
 from __future__ import annotations
 
 import contextvars
+import copy
 import functools
 from typing import Any
 
@@ -93,6 +97,43 @@ def _prefetch(obj: Any, memo: dict) -> None:
         memo[storage.data_ptr()] = host.untyped_storage()
     for sess, waiter in reversed(pending):  # replies come in order: the last one's wait is all
         sess.wait_for(waiter)
+
+
+_NOT_COPIED = ("_r", "_m", "_is_param")  # the server tensor, its traced meta, made anew
+_NOT_A_LEAF = (
+    "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at "
+    "the moment.  If you were attempting to deepcopy a module, this may be because of a "
+    "torch.nn.utils.weight_norm usage, see https://github.com/pytorch/pytorch/pull/103001"
+)
+
+
+def deep_copy(t: torch.Tensor, memo: dict) -> torch.Tensor:
+    if id(t) in memo:
+        return memo[id(t)]
+    with torch.no_grad():
+        if getattr(t, "_is_param", False):  # as nn.Parameter's own: no gradient
+            new = torch.nn.Parameter(
+                t.clone(memory_format=torch.preserve_format), requires_grad=t.requires_grad
+            )
+        else:
+            if not t.is_leaf:
+                raise RuntimeError(_NOT_A_LEAF)
+            storage = t.untyped_storage()
+            key = ("rgpu storage", storage.data_ptr())  # beside deepcopy's own id() keys
+            copied = memo.get(key)
+            if copied is None:
+                copied = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).clone()
+                memo[key] = copied
+            new = torch.empty(0, dtype=t.dtype, device=t.device)
+            new.set_(copied.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            new.requires_grad_(t.requires_grad)
+            if t.grad is not None:
+                new.grad = deep_copy(t.grad, memo)
+    memo[id(t)] = new
+    for name, value in t.__dict__.items():
+        if name not in _NOT_COPIED:
+            new.__dict__[name] = copy.deepcopy(value, memo)
+    return new
 
 
 @functools.wraps(_original_save)

@@ -130,12 +130,13 @@ _repr: Callable = _not_registered  # repr with one download (rgpu.special_ops)
 _on_first_trace: Callable | None = None  # torch.compile traces a RemoteTensor (rgpu.compile)
 _reduce: Callable = _not_registered  # pickling, torch.save (rgpu.saving)
 _copy: Callable = _not_registered  # copy.copy (rgpu.saving)
+_deep_copy: Callable = _not_registered  # copy.deepcopy (rgpu.saving)
 
 
 def install(dispatch: Callable, repr_: Callable, on_first_trace: Callable, saving: Any) -> None:
-    global _dispatch, _repr, _on_first_trace, _reduce, _copy
+    global _dispatch, _repr, _on_first_trace, _reduce, _copy, _deep_copy
     _dispatch, _repr, _on_first_trace = dispatch, repr_, on_first_trace
-    _reduce, _copy = saving.reduce_ex, saving.shallow_copy
+    _reduce, _copy, _deep_copy = saving.reduce_ex, saving.shallow_copy, saving.deep_copy
 
 
 class RemoteTensor(torch.Tensor):
@@ -288,20 +289,7 @@ class RemoteTensor(torch.Tensor):
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
     def __deepcopy__(self, memo: dict) -> RemoteTensor:
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            new = self.clone()
-        new.requires_grad_(self.requires_grad)
-        if getattr(self, "_is_param", False):
-            new._is_param = True
-        if self.grad is not None:
-            new.grad = self.grad.__deepcopy__(memo)
-        for k, v in self.__dict__.items():
-            if k not in ("_r", "_is_param"):
-                new.__dict__[k] = v
-        memo[id(self)] = new
-        return new
+        return _deep_copy(self, memo)
 
     def __reduce_ex__(self, proto: int) -> Any:
         return _reduce(self, proto)  # pickled (torch.save) as a CPU tensor: rgpu.saving

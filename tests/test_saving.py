@@ -151,3 +151,40 @@ def pytree_items(obj) -> list:
 
     leaves, _ = pytree.tree_flatten_with_path(obj)
     return [(pytree.keystr(k), v) for k, v in leaves if isinstance(v, torch.Tensor)]
+
+
+def test_deepcopy_keeps_views_and_copies_parameters_as_the_cpu_does(dev):
+    def tree(device: str) -> dict:
+        x = torch.arange(12.0, device=device).view(3, 4)
+        p = nn.Parameter(torch.ones(2, 3, device=device))
+        p.grad = torch.full((2, 3), 2.0, device=device)
+        return {"x": x, "view": x[:, ::2], "t": x.t(), "p": p, "p_data": p.detach()}
+
+    for device in ("cpu", dev):
+        original = tree(device)
+        c = copy.deepcopy(original)
+        c["x"][0, 0] = 100.0  # the copied views view the copied base
+        assert c["view"][0, 0].item() == 100.0 and c["t"][0, 0].item() == 100.0, device
+        assert original["x"][0, 0].item() == 0.0
+        assert (c["view"].stride(), c["view"].storage_offset()) == ((4, 2), 0)
+        assert isinstance(c["p"], nn.Parameter) and c["p"].requires_grad
+        assert c["p"].grad is None  # nn.Parameter's deepcopy leaves the gradient behind
+        assert c["p_data"].data_ptr() != c["p"].data_ptr()
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(torch.ones(2, device=dev, requires_grad=True) * 2)
+
+
+def test_a_deepcopied_module_runs_its_own_weights_under_compile(dev):
+    """The copy of a parameter torch.compile had traced kept its cached handle: the compiled
+    function ran the copy with the original's weights, with no error."""
+    import rgpu
+
+    model = nn.Linear(3, 1, bias=False).to(dev)
+    run = torch.compile(lambda m, x: m(x), backend=rgpu.compile_backend())
+    x = torch.ones(1, 3, device=dev)
+    run(model, x)
+    best = copy.deepcopy(model)
+    with torch.no_grad():
+        best.weight.fill_(1.0)
+    assert run(best, x).item() == 3.0
+    assert run(model, x).item() == pytest.approx(model.weight.sum().item())
