@@ -22,6 +22,7 @@ from . import (
     autocast,
     backward_errors,
     compile,
+    current,
     current_device,
     device_module,
     device_paths,
@@ -31,6 +32,7 @@ from . import (
     host_memory,
     module_moves,
     nested_ops,
+    numerics,
     plans,
     saving,
     special_ops,
@@ -110,6 +112,7 @@ def register() -> None:
     torch_load.install()
     backward_errors.install()
     accelerator.install()
+    numerics.install(current.sessions)
     attention.install(lib, plans.COMPOSITE)
     whole_ops.install(lib, plans.COMPOSITE)
     device_paths.install(lib, plans.COMPOSITE)

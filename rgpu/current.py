@@ -17,7 +17,7 @@ from typing import Any
 
 from rgpu_protocol import DEFAULT_SEED, Kind
 
-from . import devices, progress, slurm, ssh
+from . import devices, numerics, progress, slurm, ssh
 from .config import Config
 from .errors import ConnectError, RgpuError, hint
 from .local_server import EmbeddedServer
@@ -127,6 +127,8 @@ def connect(
         for opened in opened_all:
             if _pending_seed is not None and not opened.welcome.attached:
                 opened.post((Kind.SEED, _pending_seed))  # a re-opened session keeps its generator
+            if numerics.CHANGES:  # torch's numeric settings changed before this connect
+                opened.post(numerics.message())
         # the old session ends only now: a mistyped URL does not cost the user their tensors
         disconnect()
         _current, _others = opened_all[0], opened_all[1:]

@@ -61,6 +61,7 @@ class Kind(IntEnum):
     COLLECTIVE = 35
     EXPORT = 36
     IMPORT = 37
+    SETTINGS = 38
 
 
 class Status(IntEnum):
@@ -198,8 +199,34 @@ SPECS: dict[int, MessageSpec] = {
               Field("capability", (bytes,))),
         _spec(Kind.IMPORT, False, "fetch an exported tensor from another server into a tensor "
               "of this session", _REF, Field("url", (str,)), Field("capability", (bytes,))),
+        _spec(Kind.SETTINGS, False, "torch's numeric settings for this session's later "
+              "messages: [[name, value], ...] in the order they were set (SETTING_NAMES)",
+              Field("settings", (list,))),
     )
 }  # fmt: skip
+
+# The process-wide torch settings a client's calls carry to its server (SETTINGS), by name:
+# "deterministic" is [mode, warn_only] of torch.use_deterministic_algorithms; the others are
+# torch.utils.deterministic.fill_uninitialized_memory, torch.set_float32_matmul_precision's
+# argument, and attributes of torch.backends under the path they are set at.
+SETTING_NAMES = (
+    "deterministic",
+    "fill_uninitialized_memory",
+    "float32_matmul_precision",
+    "backends.fp32_precision",
+    *(f"backends.cuda.matmul.{a}" for a in (
+        "allow_tf32", "allow_fp16_reduced_precision_reduction",
+        "allow_bf16_reduced_precision_reduction", "allow_fp16_accumulation", "fp32_precision",
+    )),
+    *(f"backends.cudnn.{a}" for a in (
+        "enabled", "benchmark", "benchmark_limit", "deterministic", "allow_tf32",
+        "fp32_precision", "conv.fp32_precision", "rnn.fp32_precision",
+    )),
+    *(f"backends.mkldnn.{a}" for a in (
+        "enabled", "deterministic", "allow_tf32", "fp32_precision", "matmul.fp32_precision",
+        "conv.fp32_precision", "rnn.fp32_precision",
+    )),
+)  # fmt: skip
 
 WAITED = frozenset(k for k, s in SPECS.items() if s.waited)
 # the kinds an interrupt cancels when the server has not started them: the work. (FREE, SEED,

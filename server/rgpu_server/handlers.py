@@ -19,6 +19,7 @@ from . import (
     graph_messages,
     keeping,
     multidevice,
+    numerics,
     peers,
     replay,
     transfers,
@@ -61,6 +62,7 @@ HANDLERS: dict[int, Handler] = {
     Kind.COLLECTIVE: collectives.collective,
     Kind.EXPORT: peers.export,
     Kind.IMPORT: peers.import_,
+    Kind.SETTINGS: numerics.settings,
 }
 
 

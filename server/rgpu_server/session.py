@@ -33,7 +33,7 @@ from rgpu_protocol import (
 from rgpu_protocol.codec import Device
 from rgpu_protocol.server_stream import Action, ServerStream, UploadAborted
 
-from . import multidevice
+from . import multidevice, numerics
 from .handlers import HANDLERS, cancel_message, discard_chunks
 from .poison import Poison, describe
 from .state import SessionState
@@ -195,6 +195,7 @@ class Session(SessionState):
     def _fresh_stream(self) -> None:
         self.tensors = {}
         multidevice.reset(self)
+        self.settings = ()  # a new client sends its own
         self.stream = ServerStream(self.limits)
         self.first_error = None
         self.sequences = {}
@@ -205,6 +206,7 @@ class Session(SessionState):
         self._views = {}
 
     def _run_frame(self, frame: bytes, generation: int) -> None:
+        numerics.enter(self)
         for seq, spec, msg, action, resend, _ in self.stream.messages(frame, self._ext_hook):
             if action is _RUN:
                 self.current_seq = seq

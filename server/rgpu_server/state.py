@@ -61,6 +61,7 @@ class SessionState:
         self.device_index = 0
         self.generators: list[torch.Generator] = [self.generator]
         self.groups: dict[str, Any] = {}  # collective groups this session joined (collectives.py)
+        self.settings: tuple = ()  # torch's numeric settings, as the client set them (numerics.py)
         self.send: Callable[[list], None] | None = None  # set by the connection
         self.server_info: Callable[[], dict] | None = None  # facts about the whole server, for INFO
         self.pinned: torch.Tensor | None = None  # staging for chunks on their way to a GPU

@@ -1,0 +1,153 @@
+"""torch's numeric settings reach the server: float32 matmul precision (bf16 through oneDNN on a
+CPU with AMX or AVX-512 BF16, TF32 on a GPU), deterministic algorithms and their filling of
+uninitialised memory. The server is another process, so without SETTINGS it keeps torch's
+defaults whatever the client set."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rgpu
+import rgpu.numerics
+from rgpu_protocol import Kind
+
+
+@pytest.fixture
+def restore_settings():
+    """Put torch's defaults back here and on the server (the settings are process-wide)."""
+    yield
+    torch.set_float32_matmul_precision("highest")
+    torch.use_deterministic_algorithms(False)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    torch.backends.mkldnn.matmul.fp32_precision = "none"
+    torch.backends.cudnn.benchmark = False
+    try:
+        torch.rgpu.synchronize()
+    except rgpu.RemoteError:
+        pass
+    rgpu.numerics.CHANGES.clear()
+
+
+def _operands() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 300, generator=g), torch.randn(300, 64, generator=g)
+
+
+def test_float32_matmul_precision_follows_the_client(dev, restore_settings):
+    a, b = _operands()
+    ra, rb = a.to(dev), b.to(dev)
+    exact = a @ b
+    assert torch.equal((ra @ rb).cpu(), exact)
+    torch.set_float32_matmul_precision("medium")
+    reduced = a @ b  # bf16 where this CPU has it (AMX / AVX-512 BF16), else exact again
+    assert torch.equal((ra @ rb).cpu(), reduced)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # the same, set on the backend
+    assert torch.equal((ra @ rb).cpu(), a @ b)
+    torch.backends.mkldnn.matmul.fp32_precision = "none"
+    assert torch.equal((ra @ rb).cpu(), exact)
+
+
+def test_deterministic_algorithms_fill_uninitialised_memory_on_the_server(dev, restore_settings):
+    torch.use_deterministic_algorithms(True)
+    x = torch.empty(5, device=dev)
+    i = torch.empty(3, dtype=torch.long, device=dev)
+    like = torch.empty_like(torch.zeros(2, 3, device=dev))
+    grown = torch.zeros(2, device=dev).resize_(6)
+    assert torch.empty(5).isnan().all()  # the CPU's behaviour, the reference
+    assert x.cpu().isnan().all()
+    assert torch.equal(i.cpu(), torch.empty(3, dtype=torch.long))
+    assert like.cpu().isnan().all()
+    assert torch.equal(grown.cpu()[:2], torch.zeros(2)) and grown.cpu()[2:].isnan().all()
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.use_deterministic_algorithms(False)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    assert rgpu.numerics.CHANGES["deterministic"] == [True, True]
+    assert rgpu.numerics.CHANGES["fill_uninitialized_memory"] is False
+
+
+def test_each_change_is_one_message_in_order_with_the_ops(counted, restore_settings):
+    a, b = _operands()
+    exact = a @ b
+    torch.set_float32_matmul_precision("medium")
+    reduced = a @ b
+    torch.set_float32_matmul_precision("highest")
+    ra, rb = a.to("rgpu"), b.to("rgpu")
+    torch.rgpu.synchronize()
+    before = counted()["messages"]
+    first = ra @ rb  # queued before the change, it runs with the old precision
+    torch.set_float32_matmul_precision("medium")
+    second = ra @ rb
+    assert counted()["messages"] - before == 3  # two RUNs and one SETTINGS, no wait
+    assert torch.equal(first.cpu(), exact)
+    assert torch.equal(second.cpu(), reduced)
+
+
+def test_settings_made_before_connecting_reach_the_new_session(server, restore_settings):
+    rgpu.disconnect()
+    torch.set_float32_matmul_precision("medium")
+    torch.use_deterministic_algorithms(True)
+    rgpu.connect(server.url)
+    a, b = _operands()
+    assert torch.equal((a.to("rgpu") @ b.to("rgpu")).cpu(), a @ b)
+    assert torch.empty(4, device="rgpu").cpu().isnan().all()
+
+
+_OTHER_CLIENT = """
+import sys, torch, rgpu
+rgpu.connect(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(64, 300, generator=g), torch.randn(300, 64, generator=g)
+print(torch.equal((a.to("rgpu") @ b.to("rgpu")).cpu(), a @ b))
+"""
+
+
+def test_another_session_on_the_server_keeps_its_own_settings(dev, server, restore_settings):
+    a, b = _operands()
+    ra, rb = a.to(dev), b.to(dev)
+    torch.set_float32_matmul_precision("medium")
+    reduced = a @ b
+    assert torch.equal((ra @ rb).cpu(), reduced)  # the server runs with "medium" now
+    other = subprocess.run([sys.executable, "-c", _OTHER_CLIENT, server.url],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.split() == ["True"]  # it ran with torch's default, "highest"
+    assert torch.equal((ra @ rb).cpu(), reduced)  # and this one has "medium" back
+
+
+def test_a_setting_the_server_does_not_know_is_an_error_at_the_next_wait(session, dev):
+    session.post((Kind.SETTINGS, [["backends.cuda.matmul.allow_magic", True]]))
+    with pytest.raises(rgpu.RemoteError, match="unknown numeric setting.*allow_magic"):
+        torch.rgpu.synchronize()
+    assert (torch.ones(2, device=dev) + 1).cpu().tolist() == [2.0, 2.0]  # the session goes on
+
+
+_REOPEN = """
+import sys, torch, rgpu
+rgpu.connect(sys.argv[1], session=sys.argv[2])
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(64, 300, generator=g), torch.randn(300, 64, generator=g)
+print(torch.equal((a.to("rgpu") @ b.to("rgpu")).cpu(), a @ b))
+rgpu.disconnect(drop=True)
+"""
+
+
+def test_a_named_session_reopened_by_a_new_client_starts_from_the_defaults(
+    server, restore_settings
+):
+    rgpu.connect(server.url, session="numerics-reopened")
+    torch.set_float32_matmul_precision("medium")
+    a, b = _operands()
+    assert torch.equal((a.to("rgpu") @ b.to("rgpu")).cpu(), a @ b)
+    rgpu.disconnect()  # the named session waits on the server, "medium" with it
+    torch.set_float32_matmul_precision("highest")
+    rgpu.numerics.CHANGES.clear()  # the new client below has set nothing
+    other = subprocess.run([sys.executable, "-c", _REOPEN, server.url, "numerics-reopened"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.split() == ["True"]
+    rgpu.connect(server.url)
