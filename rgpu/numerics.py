@@ -9,7 +9,8 @@ it (docs/protocol.md), and a session opened later gets the changes made before i
 and values are those of rgpu_protocol.SETTING_NAMES.
 
 Not followed: the context managers that set torch's flags without these setters
-(`torch.backends.cudnn.flags()`, `torch.backends.mkldnn.flags()`, `torch.nn.attention.sdpa_kernel`).
+(`torch.backends.cudnn.flags()`, `torch.backends.mkldnn.flags()`). `sdpa_kernel` needs nothing
+here: the client picks the attention path itself (rgpu.attention).
 """
 
 from __future__ import annotations

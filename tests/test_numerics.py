@@ -20,16 +20,16 @@ from rgpu_protocol import Kind
 def restore_settings():
     """Put torch's defaults back here and on the server (the settings are process-wide)."""
     yield
-    torch.set_float32_matmul_precision("highest")
-    torch.use_deterministic_algorithms(False)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    torch.backends.mkldnn.matmul.fp32_precision = "none"
-    torch.backends.cudnn.benchmark = False
     try:
+        torch.set_float32_matmul_precision("highest")
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
         torch.rgpu.synchronize()
     except rgpu.RemoteError:
         pass
-    rgpu.numerics.CHANGES.clear()
+    finally:  # else every later connect in this process sends the settings: one more message
+        rgpu.numerics.CHANGES.clear()
 
 
 def _operands() -> tuple[torch.Tensor, torch.Tensor]:
