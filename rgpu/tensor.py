@@ -267,10 +267,10 @@ class RemoteTensor(torch.Tensor):
             return f"RemoteTensor(traced, shape={list(self.shape)}, dtype={self.dtype})"
         return _repr(self)
 
-    def __format__(self, spec: str) -> str:
-        if self.dim() == 0 and spec:
-            return format(self.item(), spec)
-        return repr(self) if not spec else format(repr(self), spec)
+    def __format__(self, spec: str) -> str:  # as torch.Tensor's, which tests `type(self) is Tensor`
+        if self.dim() == 0:
+            return format(self.detach().item(), spec)
+        return object.__format__(self, spec)
 
     def tolist(self) -> Any:
         if self._r is TRACED:  # the fake tensor's: a data-dependent error, not endless recursion

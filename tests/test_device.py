@@ -248,6 +248,26 @@ def test_repr_and_print_fetch_once(dev, counted):
     assert "grad_fn=<SumBackward0>" in repr(g.sum())
 
 
+def test_format_is_the_cpus(dev):
+    """f"{loss}" prints the number, as on the CPU and CUDA (it printed the tensor's repr)."""
+    for value in (
+        torch.tensor(2.5),
+        torch.tensor(7),
+        torch.tensor(True),
+        torch.tensor(1.0, requires_grad=True),
+    ):
+        r = value.to(dev)
+        for spec in ("", ".3f", ">8", "e"):
+            if spec in ("", ">8") or value.is_floating_point():
+                assert format(r, spec) == format(value, spec)
+    v, r = torch.arange(3.0), torch.arange(3.0, device=dev)
+    assert f"{r}" == str(r) and f"{v}" == str(v)
+    with pytest.raises(TypeError):
+        format(v, ".3f")
+    with pytest.raises(TypeError):
+        format(r, ".3f")
+
+
 def test_deepcopy_and_pickle(dev):
     r = torch.arange(4.0, device=dev)
     c = copy.deepcopy(r)

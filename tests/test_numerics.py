@@ -5,6 +5,7 @@ defaults whatever the client set."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
@@ -151,3 +152,55 @@ def test_a_named_session_reopened_by_a_new_client_starts_from_the_defaults(
     assert other.returncode == 0, other.stderr
     assert other.stdout.split() == ["True"]
     rgpu.connect(server.url)
+
+
+def test_the_flags_context_managers_are_followed_in_and_out(dev, restore_settings):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, 32, 32, generator=g), torch.randn(32, 16, 3, 3, generator=g)
+    rx, rw = x.to(dev), w.to(dev)
+    onednn = torch.nn.functional.conv2d(x, w)
+    with torch.backends.mkldnn.flags(enabled=False):  # torch warns about oneDNN TF32: harmless
+        direct = torch.nn.functional.conv2d(x, w)  # PyTorch's own kernel: other rounding
+        inside = torch.nn.functional.conv2d(rx, rw)
+    after = torch.nn.functional.conv2d(rx, rw)
+    assert not torch.equal(direct, onednn)
+    assert torch.equal(inside.cpu(), direct)
+    assert torch.equal(after.cpu(), onednn)
+    with torch.backends.cudnn.flags(enabled=False, deterministic=True):
+        assert rgpu.numerics.CHANGES["backends.cudnn.deterministic"] is True
+        assert rgpu.numerics.CHANGES["backends.cudnn.enabled"] is False
+    assert "backends.cudnn.deterministic" not in rgpu.numerics.CHANGES  # torch's default again
+    assert "backends.cudnn.enabled" not in rgpu.numerics.CHANGES
+
+
+_SET_BEFORE_IMPORT = """
+import sys, torch
+torch.set_float32_matmul_precision("medium")
+torch.use_deterministic_algorithms(True)
+import rgpu
+rgpu.connect(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+a, b = torch.randn(64, 300, generator=g), torch.randn(300, 64, generator=g)
+print(torch.equal((a.to("rgpu") @ b.to("rgpu")).cpu(), a @ b))
+print(bool(torch.empty(3, device="rgpu").isnan().all()))
+"""
+
+
+def test_settings_made_before_rgpu_was_imported_are_followed(server):
+    done = subprocess.run([sys.executable, "-c", _SET_BEFORE_IMPORT, server.url],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
+def test_setting_a_flag_to_the_value_it_has_sends_nothing(dev, restore_settings):
+    gc.collect()
+    torch.rgpu.synchronize()  # the FREE of earlier tests' tensors goes now
+    before = rgpu.stats()["messages"]
+    torch.use_deterministic_algorithms(False)  # what Dynamo does after every frame it compiles
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
+    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(False)
+    assert rgpu.stats()["messages"] - before == 2  # one SETTINGS each way
+    assert rgpu.numerics.CHANGES == {}  # back at torch's default: a new session needs nothing
