@@ -3,7 +3,7 @@ from the machine's noise.
 
     python benchmarks/ab_per_op.py 92cb622 HEAD [--rounds 3] [--out FILE.json]
 
-Each commit is checked out in a temporary git worktree. Rounds alternate between the two: a
+Each commit is checked out in a temporary git worktree. Rounds alternate between the two (A first, then B first): a
 fresh process imports that tree's rgpu, starts its embedded CPU server, and times 7 repeats of
 5,000 `x = x + 1` on 16 floats plus one `.item()` (wall time and client CPU time per op), then
 5 repeats of 200 steps of bench_core's MLP (Linear(16,32)-ReLU-Linear(32,1), batch 64, SGD, the
@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             trees[rev] = path
         rounds: dict[str, list[dict]] = {rev: [] for rev in trees}
         for r in range(args.rounds):
-            for rev, path in trees.items():
+            # the order flips every round: the second run of a round measured 5-20% slower
+            # than the first on this machine whichever commit it was
+            order = list(trees.items())
+            for rev, path in order if r % 2 == 0 else order[::-1]:
                 run = run_tree(path)
                 rounds[rev].append(run)
                 best = sorted(w for w, _ in run["op"])[:4]
