@@ -125,6 +125,10 @@ def test_a_setting_the_server_does_not_know_is_an_error_at_the_next_wait(session
     with pytest.raises(rgpu.RemoteError, match="unknown numeric setting.*allow_magic"):
         torch.rgpu.synchronize()
     assert (torch.ones(2, device=dev) + 1).cpu().tolist() == [2.0, 2.0]  # the session goes on
+    session.post((Kind.SETTINGS, [[["a", "list"], True], "not a pair"]))  # not even a name
+    with pytest.raises(rgpu.RemoteError, match=r"unknown numeric setting \[\['a', 'list'\]"):
+        torch.rgpu.synchronize()
+    assert (torch.ones(2, device=dev) * 3).cpu().tolist() == [3.0, 3.0]
 
 
 _REOPEN = """

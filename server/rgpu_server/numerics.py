@@ -125,7 +125,8 @@ def settings(s: Any, seq: int, msg: list) -> None:
     """SETTINGS [[name, value], ...]: the client's settings from here on."""
     pairs = []
     for item in msg[1]:
-        if not (isinstance(item, list) and len(item) == 2 and item[0] in SETTERS):
+        if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is str
+                and item[0] in SETTERS):  # fmt: skip
             s.fail("settings", f"unknown numeric setting {item!r}: this server knows "
                    f"{', '.join(SETTING_NAMES)}", ())  # fmt: skip
             continue
