@@ -29,6 +29,7 @@ from . import (
     devices,
     dispatch,
     distributed,
+    generators,
     host_memory,
     module_moves,
     nested_ops,
@@ -112,6 +113,7 @@ def register() -> None:
     torch_load.install()
     backward_errors.install()
     accelerator.install()
+    generators.install()
     numerics.install(current.sessions)
     attention.install(lib, plans.COMPOSITE)
     whole_ops.install(lib, plans.COMPOSITE)

@@ -132,7 +132,9 @@ def _key(x: Any, by_value: bool) -> Any:
         return ("host", x.device.type, x.dtype, tuple(x.shape), x.stride(), x.is_conj(), x.is_neg())
     if t is complex:
         return (complex, x) if by_value else complex
-    return x  # dtypes, devices, layouts, memory formats, Generators (hashable)
+    if t is torch._C.Generator:  # a new wrapper each call; no part of the output's layout
+        return t
+    return x  # dtypes, devices, layouts, memory formats (hashable)
 
 
 def check_session(x: Any, sess) -> None:
@@ -217,6 +219,8 @@ def _to_meta(x: Any, path: tuple, paths: dict, memo: dict) -> Any:
         # Python meta kernels of an accelerator, but not of "meta" (`masked_fill(m, cpu0d)`,
         # `cpu0d // t`, `copysign`, `index_fill_` raised "expected ... the same device")
         return torch.empty((), dtype=x.dtype, device=_META)
+    if t is torch._C.Generator:  # the refs' meta kernels refuse one; no part of the layout
+        return None
     return x
 
 

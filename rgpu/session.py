@@ -35,7 +35,7 @@ from rgpu_protocol import (
 )
 from rgpu_protocol.client_stream import FIRST, FULL, ClientStream
 
-from . import dedup
+from . import dedup, generator_refs
 from .config import Config
 from .connection import Connection, split_token
 from .counters import Counters
@@ -68,11 +68,8 @@ def _encode_hook(obj: Any) -> Any:
         if t.numel() == 0:
             return host_ext(t.dtype, tuple(t.shape), b"")
         return host_ext(t.dtype, tuple(t.shape), byte_view(t))
-    if isinstance(obj, torch.Generator):
-        raise EncodeError(
-            "rgpu ops cannot take a torch.Generator: the server keeps one generator per session. "
-            "Seed it with torch.manual_seed(...) or torch.rgpu.manual_seed(...)."
-        )
+    if isinstance(obj, torch.Generator):  # torch.Generator(device="rgpu"): generators.py
+        return generator_refs.wire(obj)
     return default(obj)
 
 

@@ -63,6 +63,13 @@ from .frames import (
     peek_reply_frame,
     reply_frame,
 )
+from .generators import (
+    EXT_GENERATOR,
+    MAX_GENERATORS,
+    GeneratorRef,
+    decode_generator,
+    generator_ext,
+)
 from .handshake import (
     PROTOCOL_VERSION,
     Hello,
@@ -115,6 +122,7 @@ __all__ = [
     "GRAPH_CONSTANT_BYTES",
     "DTYPE_TO_CODE",
     "Device",
+    "EXT_GENERATOR",
     "EXT_HOST",
     "EXT_NODE",
     "EXT_REF",
@@ -124,6 +132,7 @@ __all__ = [
     "EncodeError",
     "Encoder",
     "Frame",
+    "GeneratorRef",
     "Hello",
     "HostData",
     "Kind",
@@ -131,6 +140,7 @@ __all__ = [
     "LimitExceeded",
     "Limits",
     "MAX_DYNAMIC_OUTPUTS",
+    "MAX_GENERATORS",
     "MAX_SEQUENCE_OPS",
     "MAX_SEQUENCE_TOTAL_OPS",
     "MAX_SEQUENCES",
@@ -161,6 +171,7 @@ __all__ = [
     "check_message",
     "chunk_frame",
     "compress_batch",
+    "decode_generator",
     "decode_host",
     "decode_simple_ext",
     "decode_view",
@@ -169,6 +180,7 @@ __all__ = [
     "default_ext_hook",
     "dense_strides",
     "frame_kind",
+    "generator_ext",
     "hello_frame",
     "host_ext",
     "lane_reply",

@@ -17,6 +17,7 @@ import msgpack
 import torch
 
 from .errors import EncodeError, LimitExceeded, ProtocolError
+from .generators import EXT_GENERATOR, decode_generator
 from .slots import EXT_SLOT, EXT_SLOT_VIEW, Slot, SlotView, decode_slot, encode_slot
 
 # ext type codes (application range 0..127)
@@ -31,6 +32,7 @@ EXT_META = 8  # tensor metadata: u8 dtype, u8 ndim, u8 flags, i64 shape, i64 str
 EXT_VIEW = 9  # a view of a tensor: u64 base id, u8 ndim, i64 shape, i64 stride, i64 offset
 EXT_NODE = 10  # a reference to an earlier node of a shipped graph: u32 index
 # EXT_SLOT = 11, EXT_SLOT_VIEW = 12: values of a defined sequence (slots.py)
+# EXT_GENERATOR = 13: a generator the client made on an rgpu device (generators.py)
 
 # Fixed wire codes. Never renumber; append only.
 _DTYPE_NAMES = (
@@ -283,6 +285,8 @@ def decode_simple_ext(code: int, data: bytes) -> Any:
         return NodeRef(_U32.unpack(data)[0])
     if code == EXT_SLOT or code == EXT_SLOT_VIEW:
         return decode_slot(code, data)
+    if code == EXT_GENERATOR:
+        return decode_generator(data)
     raise ProtocolError(f"unknown ext type {code}")
 
 

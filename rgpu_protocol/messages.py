@@ -62,6 +62,8 @@ class Kind(IntEnum):
     EXPORT = 36
     IMPORT = 37
     SETTINGS = 38
+    GENERATOR = 39
+    GENERATOR_STATE = 40
 
 
 class Status(IntEnum):
@@ -202,6 +204,11 @@ SPECS: dict[int, MessageSpec] = {
         _spec(Kind.SETTINGS, False, "torch's numeric settings for this session's later "
               "messages: [[name, value], ...] in the order they were set (SETTING_NAMES)",
               Field("settings", (list,))),
+        # generators the client made with torch.Generator(device="rgpu") (generators.py)
+        _spec(Kind.GENERATOR, False, "seed a generator (an int), set its state (bytes from "
+              "GENERATOR_STATE), or drop it (nil)", Field("generator", ANY),
+              Field("value", (int, bytes, _NoneType))),
+        _spec(Kind.GENERATOR_STATE, True, "reply: a generator's state", Field("generator", ANY)),
     )
 }  # fmt: skip
 

@@ -386,3 +386,25 @@ def test_accelerate_splits_a_model_across_devices(devs):
     assert torch.equal(
         model.generate(ids.to("rgpu:0"), **kwargs).cpu(), cpu.generate(ids, **kwargs)
     )
+
+
+def test_a_generator_belongs_to_its_device(devs):
+    """torch.Generator("rgpu") is on the current device, as CUDA's is; each draws as a CPU
+    generator with its seed, on its device, beside the devices' own generators."""
+    torch.rgpu.set_device(2)
+    g2 = torch.Generator(device="rgpu").manual_seed(5)
+    g1 = torch.Generator(device="rgpu:1").manual_seed(6)
+    assert (g2.device, g1.device) == (torch.device("rgpu", 2), torch.device("rgpu", 1))
+    a = torch.randn(4, generator=g2, device="rgpu:2")
+    b = torch.empty(4, device="rgpu:1").uniform_(generator=g1)
+    torch.manual_seed(3)
+    c = torch.rand(2, device="rgpu:1")
+    assert (a.device, b.device) == (torch.device("rgpu", 2), torch.device("rgpu", 1))
+    assert torch.equal(a.cpu(), torch.randn(4, generator=torch.Generator().manual_seed(5)))
+    cg = torch.Generator().manual_seed(6)
+    assert torch.equal(b.cpu(), torch.empty(4).uniform_(generator=cg))
+    assert torch.equal(g1.get_state(), cg.get_state())  # rgpu:1's generator, where it drew
+    torch.manual_seed(3)
+    assert torch.equal(c.cpu(), torch.rand(2))
+    with pytest.raises(rgpu.NoSuchDevice):
+        torch.Generator(device="rgpu:9")

@@ -16,6 +16,7 @@ from . import (
     control,
     execute,
     files,
+    generators,
     graph_messages,
     keeping,
     multidevice,
@@ -63,6 +64,8 @@ HANDLERS: dict[int, Handler] = {
     Kind.EXPORT: peers.export,
     Kind.IMPORT: peers.import_,
     Kind.SETTINGS: numerics.settings,
+    Kind.GENERATOR: generators.generator,
+    Kind.GENERATOR_STATE: generators.state,
 }
 
 

@@ -23,6 +23,7 @@ from rgpu_protocol import (
     EXT_HOST,
     EXT_REF,
     EXT_VIEW,
+    GeneratorRef,
     ProtocolError,
     Status,
     decode_host,
@@ -33,7 +34,7 @@ from rgpu_protocol import (
 from rgpu_protocol.codec import Device
 from rgpu_protocol.server_stream import Action, ServerStream, UploadAborted
 
-from . import multidevice, numerics
+from . import generators, multidevice, numerics
 from .handlers import HANDLERS, cancel_message, discard_chunks
 from .poison import Poison, describe
 from .state import SessionState
@@ -185,6 +186,7 @@ class Session(SessionState):
         finally:
             self.ended = True
             self.tensors.clear()
+            self.user_generators.clear()
             self.kept.clear()
             self.groups.clear()
             self.stream.forget_replies()
@@ -196,6 +198,7 @@ class Session(SessionState):
         self.tensors = {}
         multidevice.reset(self)
         self.settings = ()  # a new client sends its own
+        self.user_generators = {}  # ...and makes its own generators
         self.stream = ServerStream(self.limits)
         self.first_error = None
         self.sequences = {}
@@ -292,6 +295,8 @@ class Session(SessionState):
         value = decode_simple_ext(code, data)
         if type(value) is Device:
             return self._device(value.name)
+        if type(value) is GeneratorRef:
+            return generators.resolve(self, value)
         return value
 
     def _device(self, name: str) -> torch.device:

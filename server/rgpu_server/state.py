@@ -60,6 +60,7 @@ class SessionState:
         self.devices: tuple[torch.device, ...] = (device,)
         self.device_index = 0
         self.generators: list[torch.Generator] = [self.generator]
+        self.user_generators: dict[int, torch.Generator] = {}  # the client's (generators.py)
         self.groups: dict[str, Any] = {}  # collective groups this session joined (collectives.py)
         self.settings: tuple = ()  # torch's numeric settings, as the client set them (numerics.py)
         self.send: Callable[[list], None] | None = None  # set by the connection
