@@ -163,10 +163,14 @@ def install() -> None:
 
 
 def _dynamo_sees_a_generator(module: Any) -> None:
-    cls = module.CustomClassObjectVariable
-    matching = cls.is_matching_cls.__func__
+    """Dynamo's test for an opaque object answers no for an rgpu generator (its class is named
+    CustomClassObjectVariable or TorchScriptObjectVariable, by release)."""
+    for name in ("CustomClassObjectVariable", "TorchScriptObjectVariable"):
+        cls = getattr(module, name, None)
+        if cls is not None and hasattr(cls, "is_matching_cls"):
+            matching = cls.is_matching_cls.__func__
 
-    def is_matching_cls(c: Any, user_cls: type) -> bool:
-        return user_cls is not Generator and matching(c, user_cls)
+            def is_matching_cls(c: Any, user_cls: type, matching: Any = matching) -> bool:
+                return user_cls is not Generator and matching(c, user_cls)
 
-    cls.is_matching_cls = classmethod(is_matching_cls)
+            cls.is_matching_cls = classmethod(is_matching_cls)

@@ -195,3 +195,30 @@ def test_torchscript_and_torch_compile_take_generators(dev):
         got = [compiled(x.to(dev)).cpu() for _ in range(2)]
         assert all(torch.equal(a, noisy_cpu) for a, noisy_cpu in
                    zip(got, [x * 2 + torch.randn(4, generator=c) for _ in range(2)]))  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+def test_a_diffusers_pipeline_seeded_with_an_rgpu_generator_makes_the_cpu_images(dev):
+    """diffusers' own way: `generator=torch.Generator(device).manual_seed(0)`, the initial noise
+    and every ancestral step's noise drawn from it on the pipeline's device."""
+    diffusers = pytest.importorskip("diffusers")
+
+    def images(device: str, scheduler: type) -> torch.Tensor:
+        torch.manual_seed(0)
+        unet = diffusers.UNet2DModel(
+            sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+            block_out_channels=(32, 64), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8,
+        )  # fmt: skip
+        pipe = diffusers.DDPMPipeline(
+            unet=unet.to(device), scheduler=scheduler(num_train_timesteps=50)
+        )
+        pipe.set_progress_bar_config(disable=True)
+        g = torch.Generator(device=device).manual_seed(0)
+        out = pipe(batch_size=2, generator=g, num_inference_steps=4, output_type="np").images
+        return torch.from_numpy(out)
+
+    for scheduler in (diffusers.DDPMScheduler, diffusers.EulerAncestralDiscreteScheduler):
+        got, want = images(dev, scheduler), images("cpu", scheduler)
+        assert got.shape == (2, 16, 16, 3)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
