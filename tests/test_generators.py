@@ -30,6 +30,12 @@ def _draws(device: str, g: torch.Generator) -> list[torch.Tensor]:
         torch.multinomial(torch.arange(1.0, 7.0, device=device), 4, generator=g),
         torch.nn.init.kaiming_uniform_(torch.empty(4, 5, device=device), generator=g),
         torch.nn.init.trunc_normal_(torch.empty(8, device=device), generator=g),
+        # ops whose generator is positional in their schema
+        torch.poisson(torch.arange(6.0, device=device), generator=g),
+        torch.binomial(
+            torch.full((5,), 10.0, device=device), torch.full((5,), 0.3, device=device), generator=g
+        ),  # fmt: skip
+        torch._standard_gamma(torch.arange(1.0, 5.0, device=device), generator=g),
     ]
     return [t.cpu() for t in out]
 

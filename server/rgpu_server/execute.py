@@ -39,8 +39,14 @@ def flatten(result: Any) -> list:
 def call(s: SessionState, resolved: Any, args: list, kwargs: dict | None) -> Any:
     """Run a resolved op with the session's generator."""
     kwargs = kwargs or {}
-    if resolved.takes_generator and kwargs.get("generator") is None:
-        kwargs["generator"] = s.generator
+    if resolved.takes_generator:
+        pos = resolved.generator_pos
+        if 0 <= pos < len(args):  # a positional generator (poisson, binomial, rrelu)
+            if args[pos] is None:
+                args = [*args[:pos], s.generator, *args[pos + 1 :]]
+            return resolved.op(*args, **kwargs)
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = s.generator
         return resolved.op(*args, **kwargs)
     if resolved.seeded:
         with rng.session_state(s.generator, s.device):

@@ -98,6 +98,7 @@ class ResolvedOp:
     factory: bool = False  # takes a device and no tensor: allocates from nothing
     call: Any = None  # the C++ callable behind `op` (skips OpOverload.__call__'s Python frame)
     plain: bool = False  # no generator to inject, no RNG state to swap: call it directly
+    generator_pos: int = -1  # the generator's position where it is not keyword-only (poisson)
 
 
 _cache: dict[str, ResolvedOp] = {}
@@ -129,6 +130,7 @@ def resolve(name: str) -> ResolvedOp:
             sub.factory,
             sub.call,
             sub.plain,
+            sub.generator_pos,
         )
         _cache[name] = resolved
         return resolved
@@ -150,5 +152,8 @@ def resolve(name: str) -> ResolvedOp:
     resolved = ResolvedOp(op, f"aten::{name}", takes_gen, seeded, writes, factory)
     resolved.call = CALLS.get(name, op._op)
     resolved.plain = not takes_gen and not seeded
+    resolved.generator_pos = next(
+        (i for i, a in enumerate(args) if a.name == "generator" and not a.kwarg_only), -1
+    )
     _cache[name] = resolved
     return resolved
