@@ -10,7 +10,8 @@ answer from `torch.rgpu`; otherwise PyTorch's own are left as they are.
 transformers' `TrainingArguments.device` knows accelerators by name: past its list it takes the
 CPU, though accelerate (which it asks first) answered rgpu through `torch.accelerator`. `Trainer`
 then put the model on rgpu (accelerate) and every batch on the CPU. While rgpu is the current
-accelerator, `TrainingArguments` keeps accelerate's answer (patched when transformers loads it).
+accelerator, `TrainingArguments` keeps accelerate's answer (patched when transformers loads it),
+and takes `bf16=True` (mixed precision through `torch.autocast("rgpu")`, as on a GPU).
 """
 
 from __future__ import annotations
@@ -127,3 +128,12 @@ def _keep_accelerates_device(module: Any) -> None:
     patched = functools.cached_property(_setup_devices)
     patched.__set_name__(cls, "_setup_devices")
     cls._setup_devices = patched
+    # `TrainingArguments(bf16=True)` asks whether a GPU it knows by name runs bfloat16 and, on
+    # rgpu, refused: "Your setup doesn't support bf16/gpu"
+    knows_bf16 = getattr(module, "is_torch_bf16_gpu_available", None)
+    if callable(knows_bf16):
+
+        def is_torch_bf16_gpu_available() -> bool:
+            return knows_bf16() or (bool(_ORIGINAL) and _rgpu.is_bf16_supported())
+
+        module.is_torch_bf16_gpu_available = is_torch_bf16_gpu_available

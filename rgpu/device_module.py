@@ -265,13 +265,27 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16]
 
 
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    """Whether bfloat16 runs on the current device: a CPU server's always does, and a GPU's
+    does at least emulated (CUDA's answer with `including_emulation`); natively, only the GPU's
+    compute capability tells, which the server does not send."""
+    sess, local = _on(None)
+    if including_emulation or str(sess.devices[local][0]).startswith("cpu"):
+        return True
+    raise NotImplementedError(
+        "rgpu cannot tell whether the server's GPU runs bfloat16 natively (its compute "
+        "capability is not sent); is_bf16_supported() with including_emulation=True says True"
+    )
+
+
 module = types.ModuleType("torch.rgpu")
 module._initialized = True  # torch.utils.checkpoint only saves device RNG states when this is set
 for _name in (
     "is_available", "is_initialized", "_is_in_bad_fork", "device_count", "current_device",
     "set_device", "synchronize", "manual_seed", "manual_seed_all", "get_device_name",
-    "memory_allocated", "get_amp_supported_dtype", "get_rng_state", "set_rng_state",
-    "get_rng_state_all", "set_rng_state_all", "initial_seed", "seed", "seed_all", "device",
+    "memory_allocated", "get_amp_supported_dtype", "is_bf16_supported", "get_rng_state",
+    "set_rng_state", "get_rng_state_all", "set_rng_state_all", "initial_seed", "seed", "seed_all",
+    "device",
     "Event", "mem_get_info", "empty_cache", "memory_reserved", "memory_stats",
     "max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats",
     "reset_max_memory_allocated", "reset_accumulated_memory_stats",

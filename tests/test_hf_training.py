@@ -168,3 +168,44 @@ def test_transformers_trainer_trains_on_rgpu_as_on_the_cpu(session, tmp_path):
     assert remote_losses == cpu_losses and len(cpu_losses) == 4
     for p, q in zip(cpu.parameters(), remote.parameters()):
         assert torch.equal(q.detach().cpu(), p.detach())
+
+
+def test_trainer_takes_bf16_and_autocasts_on_rgpu(session, tmp_path):
+    """`TrainingArguments(bf16=True)` asked whether a GPU it knows by name runs bfloat16 and
+    refused rgpu ("Your setup doesn't support bf16/gpu"); it now trains under
+    `torch.autocast("rgpu", torch.bfloat16)`, as on a GPU: the first logged loss is the one an
+    autocast forward on rgpu gives for the same batch."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=300,
+                                     n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (16, 8), generator=generator)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    with torch.autocast("rgpu", dtype=torch.bfloat16):
+        want = copy.deepcopy(model).to("rgpu")(input_ids=ids.to("rgpu"), labels=ids.to("rgpu"))
+    want = want.loss.item()
+
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+    try:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), report_to=[], max_steps=3, per_device_train_batch_size=16,
+            logging_steps=1, save_strategy="no", disable_tqdm=True, bf16=True,
+        )  # fmt: skip
+        dtypes = set()
+        model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.model_accepts_loss_kwargs = False  # the model's mean loss, not a token count's
+        trainer.train()
+    finally:
+        AcceleratorState._reset_state(True)
+        PartialState._reset_state()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert next(trainer.model.parameters()).device.type == "rgpu"
+    assert dtypes == {torch.bfloat16} and len(losses) == 3
+    assert abs(losses[0] - want) <= 1e-3 * abs(want)  # the batch's rows in the sampler's order
+    assert torch.rgpu.is_bf16_supported()
