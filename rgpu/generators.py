@@ -38,14 +38,14 @@ _ids = itertools.count(secrets.randbits(48) << 8)
 _dropped: list[tuple[Any, Any]] = []  # (session, reference) of generators garbage-collected
 
 
-class _GeneratorType(type(torch._C.Generator)):
+class _GeneratorType(type(_Base)):
     """Every `torch._C.Generator` is an instance of the patched `torch.Generator`, as before."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _Base)
+        return isinstance(obj, _Base) if cls is Generator else type.__instancecheck__(cls, obj)
 
     def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _Base)
+        return issubclass(sub, _Base) if cls is Generator else type.__subclasscheck__(cls, sub)
 
 
 class Generator(_Base, metaclass=_GeneratorType):
@@ -53,10 +53,25 @@ class Generator(_Base, metaclass=_GeneratorType):
 
     def __new__(cls, device: Any = None) -> Any:
         d = torch.device(device) if device is not None else None
-        if d is None or d.type != DEVICE_TYPE:
-            return _Base(device) if device is not None else _Base()
+        if d is not None and d.type == DEVICE_TYPE:
+            if cls is not Generator:
+                raise NotImplementedError(
+                    f"{cls.__name__} subclasses torch.Generator; rgpu makes plain rgpu generators "
+                    "only: torch.Generator(device='rgpu')"
+                )
+            return RemoteGenerator._make(_devices.index_of(d))
+        if cls is not Generator:  # a program's own subclass, on another device
+            return _Base.__new__(cls, *(() if device is None else (device,)))
+        return _Base(device) if device is not None else _Base()
+
+
+class RemoteGenerator(Generator):
+    """A generator on an rgpu device: its state lives on the server."""
+
+    @classmethod
+    def _make(cls, index: int) -> RemoteGenerator:
         g = _Base.__new__(cls)
-        g._rgpu_index = _devices.index_of(d)
+        g._rgpu_index = index
         g._rgpu_id = next(_ids)
         key = g._cdata
         LIVE[key] = weakref.ref(g)
@@ -67,7 +82,7 @@ class Generator(_Base, metaclass=_GeneratorType):
     def device(self) -> torch.device:
         return torch.device(DEVICE_TYPE, self._rgpu_index)
 
-    def manual_seed(self, seed: Any) -> Generator:
+    def manual_seed(self, seed: Any) -> RemoteGenerator:
         _Base.manual_seed(self, seed)  # torch's checks and its wrap of negative seeds
         self._tell(_Base.initial_seed(self))
         return self
@@ -83,7 +98,7 @@ class Generator(_Base, metaclass=_GeneratorType):
         state = session.request((Kind.GENERATOR_STATE, self))
         return torch.frombuffer(bytearray(state), dtype=torch.uint8)
 
-    def set_state(self, new_state: torch.Tensor) -> Generator:
+    def set_state(self, new_state: torch.Tensor) -> RemoteGenerator:
         if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
             got = new_state.dtype if isinstance(new_state, torch.Tensor) else type(new_state)
             raise TypeError(f"expected a torch.ByteTensor (uint8) from get_state, but got {got}")
@@ -121,7 +136,7 @@ class Generator(_Base, metaclass=_GeneratorType):
         session.post((Kind.GENERATOR, self, value))
 
 
-def _rebuild(device: str, seed: int, state: torch.Tensor) -> Generator:
+def _rebuild(device: str, seed: int, state: torch.Tensor) -> RemoteGenerator:
     g = Generator(device)
     _Base.manual_seed(g, seed)
     return g.set_state(state)
@@ -171,6 +186,6 @@ def _dynamo_sees_a_generator(module: Any) -> None:
             matching = cls.is_matching_cls.__func__
 
             def is_matching_cls(c: Any, user_cls: type, matching: Any = matching) -> bool:
-                return user_cls is not Generator and matching(c, user_cls)
+                return user_cls is not RemoteGenerator and matching(c, user_cls)
 
             cls.is_matching_cls = classmethod(is_matching_cls)

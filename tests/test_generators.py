@@ -128,6 +128,20 @@ def test_torch_generator_stays_torch_generator_for_other_devices(dev):
         torch.randn(3, generator=cpu, device=dev)
     with pytest.raises(NotImplementedError, match="CUDA-graph features"):
         torch.Generator(device=dev).graphsafe_get_state()
+
+    class Tagged(torch.Generator):  # a program's own subclass stays what it was
+        def __init__(self, device: str = "cpu") -> None:
+            super().__init__()
+            self.tag = device
+
+    mine = Tagged("cpu").manual_seed(3)
+    assert type(mine) is Tagged and isinstance(mine, Tagged) and not isinstance(cpu, Tagged)
+    assert mine.tag == "cpu" and isinstance(mine, torch.Generator)
+    assert torch.equal(
+        torch.rand(3, generator=mine), torch.rand(3, generator=torch.Generator().manual_seed(3))
+    )
+    with pytest.raises(NotImplementedError, match="Tagged subclasses torch.Generator"):
+        Tagged(dev)
     assert torch.equal(torch.ones(2, device=dev).cpu() + 1, torch.full((2,), 2.0))
 
 
