@@ -269,8 +269,10 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     """Whether bfloat16 runs on the current device: a CPU server's always does, and a GPU's
     does at least emulated (CUDA's answer with `including_emulation`); natively, only the GPU's
     compute capability tells, which the server does not send."""
+    if including_emulation:
+        return True  # asked before connecting too (TrainingArguments(bf16=True))
     sess, local = _on(None)
-    if including_emulation or str(sess.devices[local][0]).startswith("cpu"):
+    if str(sess.devices[local][0]).startswith("cpu"):
         return True
     raise NotImplementedError(
         "rgpu cannot tell whether the server's GPU runs bfloat16 natively (its compute "

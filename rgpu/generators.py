@@ -35,7 +35,7 @@ _Base = torch._C.Generator
 # ids unique across processes: a restarted kernel attaching to a named session must not meet
 # the generators an earlier client left there under the same numbers
 _ids = itertools.count(secrets.randbits(48) << 8)
-_dropped: list[tuple[Any, Any]] = []  # (session, reference) of generators garbage-collected
+_dropped: list[tuple[int, int]] = []  # (device index, id) of generators garbage-collected
 
 
 class _GeneratorType(type(_Base)):

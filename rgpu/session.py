@@ -68,7 +68,7 @@ def _encode_hook(obj: Any) -> Any:
         if t.numel() == 0:
             return host_ext(t.dtype, tuple(t.shape), b"")
         return host_ext(t.dtype, tuple(t.shape), byte_view(t))
-    if isinstance(obj, torch.Generator):  # torch.Generator(device="rgpu"): generators.py
+    if isinstance(obj, torch._C.Generator):  # torch.Generator(device="rgpu"): generators.py
         return generator_refs.wire(obj)
     return default(obj)
 

@@ -242,3 +242,17 @@ def test_a_diffusers_pipeline_seeded_with_an_rgpu_generator_makes_the_cpu_images
         got, want = images(dev, scheduler), images("cpu", scheduler)
         assert got.shape == (2, 16, 16, 3)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_reference_the_server_cannot_honour_is_a_clear_error_and_the_session_goes_on(session):
+    """A GENERATOR reference naming a device this server lacks fails the message that names it,
+    reported at the next wait; an op given it poisons its outputs with that error."""
+    from rgpu_protocol import Kind, generator_ext
+
+    session.post((Kind.GENERATOR, generator_ext(77, 9, 0), 5))
+    with pytest.raises(rgpu.RemoteError, match="cannot make the generator: it names device 9"):
+        torch.rgpu.synchronize()
+    with pytest.raises(rgpu.RemoteError, match="cannot make the generator: it names device 9"):
+        session.request((Kind.GENERATOR_STATE, generator_ext(78, 9, 0)))
+    x = torch.arange(3.0, device="rgpu")
+    assert torch.equal((x * 2).cpu(), torch.tensor([0.0, 2.0, 4.0]))

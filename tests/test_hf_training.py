@@ -208,4 +208,6 @@ def test_trainer_takes_bf16_and_autocasts_on_rgpu(session, tmp_path):
     assert next(trainer.model.parameters()).device.type == "rgpu"
     assert dtypes == {torch.bfloat16} and len(losses) == 3
     assert abs(losses[0] - want) <= 1e-3 * abs(want)  # the batch's rows in the sampler's order
-    assert torch.rgpu.is_bf16_supported()
+    assert torch.rgpu.is_bf16_supported() and torch.rgpu.is_bf16_supported(
+        including_emulation=False
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rgpu_protocol import MAX_GENERATORS, GeneratorRef, Status, byte_view
+from rgpu_protocol import MAX_GENERATORS, GeneratorRef, ProtocolError, Status, byte_view
 
 from .poison import Poison, describe
 from .state import SessionState
@@ -48,12 +48,15 @@ def generator(s: SessionState, seq: int, msg: list) -> None:
     """GENERATOR [generator, value]: seed it (int), set its state (bytes), drop it (nil; the
     generator named by its id)."""
     g, value = msg[1], msg[2]
-    if value is None:
-        if type(g) is int:
-            s.user_generators.pop(g, None)
+    if type(g) is int:
+        if value is not None:
+            raise ProtocolError("GENERATOR names a generator by id only to drop it (value nil)")
+        s.user_generators.pop(g, None)
         return
-    if not isinstance(g, torch.Generator):
+    if g is None:
         return  # its reference failed: already reported
+    if not isinstance(g, torch.Generator) or value is None:
+        raise ProtocolError("GENERATOR takes a generator reference and a seed or a state")
     try:
         if type(value) is int:
             g.manual_seed(value & 0xFFFF_FFFF_FFFF_FFFF)
