@@ -107,10 +107,17 @@ def collectives(rank: int, world: int) -> dict:
 
 
 def launch(
-    url: str, world: int, steps: int, workdir: str, timeout: float = 600, what: str = "train"
+    url: str,
+    world: int,
+    steps: int,
+    workdir: str,
+    timeout: float = 600,
+    what: str = "train",
+    deterministic_rank: int | None = None,
 ) -> list[dict]:
     """Run `world` ranks as torchrun would (one process each, env:// rendezvous on a free
-    port) against the server at `url`; their results, by rank."""
+    port) against the server at `url`; their results, by rank. `deterministic_rank`: that rank
+    alone runs with torch.use_deterministic_algorithms(True)."""
     import socket
     import subprocess
 
@@ -127,6 +134,7 @@ def launch(
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            "DETERMINISTIC": str(rank == deterministic_rank),
         }
         out = os.path.join(workdir, f"rank{rank}.json")
         procs.append((subprocess.Popen([sys.executable, __file__, str(steps), out, what], env=env,
@@ -154,6 +162,8 @@ def main() -> None:
     steps, out = int(sys.argv[1]), sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.rgpu.set_device(rank)  # connects to RGPU_SERVER
+    if os.environ.get("DETERMINISTIC") == "True":
+        torch.use_deterministic_algorithms(True)
     dist.init_process_group("rgpu")  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
     if sys.argv[3:] == ["collectives"]:
         result = collectives(rank, world)

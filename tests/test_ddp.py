@@ -44,9 +44,13 @@ def test_ddp_on_rgpu_devices_matches_one_process_with_the_global_batch(four, tmp
             assert step["bytes_out"] < grads  # ops and the batch's slice, not the gradients
 
 
-def test_each_collective_computes_on_the_server(four, tmp_path):
+@pytest.mark.parametrize("deterministic_rank", [None, 1])
+def test_each_collective_computes_on_the_server(four, tmp_path, deterministic_rank):
+    """With one rank in deterministic mode too: a frame waiting in a collective lets the other
+    sessions' frames run whatever their settings (they would wait for it, and it for them)."""
     world = 3
-    results = launch(four.url, world, 0, str(tmp_path), what="collectives")
+    results = launch(four.url, world, 0, str(tmp_path), timeout=300, what="collectives",
+                     deterministic_rank=deterministic_rank)  # fmt: skip
     total = sum(range(world))
     for rank, r in enumerate(results):
         assert r["all_reduce_sum"] == [4 * 0 + total + k * world for k in range(4)]

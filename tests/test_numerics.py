@@ -208,3 +208,61 @@ def test_setting_a_flag_to_the_value_it_has_sends_nothing(dev, restore_settings)
     torch.use_deterministic_algorithms(False)
     assert rgpu.stats()["messages"] - before == 2  # one SETTINGS each way
     assert rgpu.numerics.CHANGES == {}  # back at torch's default: a new session needs nothing
+
+
+_BUSY_CLIENT = """
+import sys, time, torch, rgpu
+rgpu.connect(sys.argv[1])
+deterministic = sys.argv[2] == "deterministic"
+torch.use_deterministic_algorithms(deterministic)
+x = torch.randn(128, 128, device="rgpu") / 10
+index, values = torch.tensor([0, 0], device="rgpu"), torch.tensor([1.0, 2.0], device="rgpu")
+torch.rgpu.synchronize()  # the settings in force (deterministic mode's first use imports inductor)
+print("ready", flush=True)
+sys.stdin.readline()
+runs = nan_filled = refused = 0
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    y = x
+    for _ in range(30):  # a frame long enough for the other session's to start inside it
+        y = torch.tanh(y @ x)
+    empty = torch.empty(4096, device="rgpu")
+    try:  # put_ without accumulate has no deterministic implementation
+        torch.zeros(5, device="rgpu").put_(index, values).cpu()
+    except rgpu.RemoteError as e:
+        assert "deterministic" in str(e), e
+        refused += 1
+    nan_filled += bool(empty.isnan().all().item())
+    runs += 1
+print(runs, nan_filled, refused)
+"""
+
+
+def test_sessions_running_at_once_keep_their_own_settings(server):
+    """Found this way: while one session's frame ran, another's started and put its settings in
+    force for both (torch's flags are per process): a deterministic session's put_ ran and its
+    empty tensors came unfilled, and the other session's put_ failed for want of a deterministic
+    implementation, about half the time each."""
+    clients = [
+        subprocess.Popen(
+            [sys.executable, "-c", _BUSY_CLIENT, server.url, mode, "3"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for mode in ("deterministic", "default")
+    ]
+    try:
+        for c in clients:
+            assert c.stdout.readline().strip() == "ready"
+        for c in clients:  # both sessions run their loops at the same time
+            c.stdin.write("\n")
+            c.stdin.flush()
+        results = [c.communicate(timeout=120)[0].split() for c in clients]
+    finally:
+        for c in clients:
+            c.kill()
+    (runs, filled, refused), (other_runs, _, other_refused) = (map(int, r) for r in results)
+    assert runs > 5 and other_runs > 5
+    assert filled == refused == runs  # every frame of the deterministic session under its mode
+    assert other_refused == 0  # and none of the other's

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from rgpu_protocol import COLLECTIVE_OPS, REDUCE_OPS, ProtocolError, Status
 
+from . import numerics
 from .poison import describe
 from .state import SessionState
 
@@ -79,7 +80,8 @@ def group(s: SessionState, seq: int, msg: list) -> None:
         s.reply(seq, Status.ERROR, ["group", f"this session already joined group {key}"])
         return
     try:
-        s.groups[key] = make_group(s.device, key, rank, size, float(timeout))
+        with numerics.released():  # other ranks join meanwhile, whatever their settings
+            s.groups[key] = make_group(s.device, key, rank, size, float(timeout))
     except Exception as e:
         s.reply(seq, Status.ERROR, ["group", describe(e)])
         return
@@ -102,7 +104,8 @@ def collective(s: SessionState, seq: int, msg: list) -> None:
         s.fail(label, f"this session has not joined the group {key}", named)
         return
     try:
-        run(pg, op, tensors, options or {})
+        with numerics.released():  # waits for the other ranks
+            run(pg, op, tensors, options or {})
     except Exception as e:
         s.fail(label, describe(e), named)
 

@@ -25,6 +25,8 @@ from rgpu_protocol.lane import (
     parse_lane_header,
 )
 
+from . import numerics
+
 log = logging.getLogger("rgpu_server")
 
 SEND_PIECE = 4 << 20  # a download is handed to the transport this much at a time
@@ -211,7 +213,8 @@ class ServerLane:
             return False
         fut = asyncio.run_coroutine_threadsafe(self.protocol.send(ticket, data), self.loop)
         try:
-            fut.result()
+            with numerics.released():  # a slow client holds up no other session
+                fut.result()
         except Exception:
             return False
         return True

@@ -2,15 +2,19 @@
 (TF32), cuDNN's and oneDNN's flags.
 
 torch keeps them per process, and a server runs several sessions' workers in one process, so
-each session's settings are put in force when its worker takes a frame and another session's
-were in force (a comparison when nothing changes). Sessions whose frames run at the same moment
-with different settings share the process's flags: the last to start a frame sets them.
+frames pass a gate: frames of sessions whose settings are equal (most often, all the defaults)
+run together; a frame whose settings differ waits until those running end, then puts its own in
+force, and frames arriving meanwhile wait behind it. One user's TF32 or deterministic mode never
+reaches another user's kernels. A frame lets the gate go while it waits on something outside
+itself (other ranks in a collective, a slow client taking a reply), so no session holds up the
+others by waiting, and ranks with different settings cannot deadlock in a collective.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -88,13 +92,16 @@ def _read_defaults() -> dict[str, Any]:
 
 
 DEFAULTS = _read_defaults()
-_lock = threading.Lock()
+_gate = threading.Condition()
 _applied: Settings = ()  # the settings in force in this process now
+_running = 0  # frames running now, all under `_applied`
+_waiting = 0  # frames waiting for the running ones to end
+_holder = threading.local()  # .session: the session whose frame this thread runs in the gate
 
 
 def _apply(settings: Settings, fail: Callable[[str, str], None] | None) -> None:
-    """Put `settings` in force in place of `_applied` (the lock held): the names the old ones set
-    go back to their defaults first, then the new ones are set in order."""
+    """Put `settings` in force in place of `_applied` (the gate held, no frame running): the
+    names the old ones set go back to their defaults first, then the new ones are set in order."""
     global _applied
     for name in dict(_applied):
         if name in DEFAULTS:
@@ -111,14 +118,47 @@ def _apply(settings: Settings, fail: Callable[[str, str], None] | None) -> None:
     _applied = settings
 
 
-def enter(s: Any) -> None:
-    """Before `s` runs a frame: its settings in force (cheap when they already are)."""
-    global _applied
-    if s.settings is not _applied:
-        with _lock:
-            if s.settings != _applied:
-                _apply(s.settings, None)  # failures were reported when they were set
-            _applied = s.settings
+def enter(s: Any, fail: Callable[[str, str], None] | None = None) -> None:
+    """Before `s` runs a frame: wait for its turn, then its settings in force. `fail`: report
+    each setting torch refuses (they are applied again even when already in force)."""
+    global _running, _waiting
+    with _gate:
+        if _running and (_waiting or s.settings != _applied):
+            _waiting += 1
+            while _running:
+                _gate.wait()
+            _waiting -= 1
+        if fail is not None or s.settings != _applied:
+            _apply(s.settings, fail)
+        _running += 1
+    _holder.session = s
+
+
+def leave() -> None:
+    """After the frame `enter` let in (a no-op when this thread holds no place)."""
+    global _running
+    if getattr(_holder, "session", None) is None:
+        return
+    _holder.session = None
+    with _gate:
+        _running -= 1
+        if not _running:
+            _gate.notify_all()
+
+
+@contextmanager
+def released() -> Iterator[None]:
+    """Around a wait on something outside the frame: others may run (and set their settings)
+    meanwhile; the frame's own are in force again after."""
+    s = getattr(_holder, "session", None)
+    if s is None:
+        yield
+        return
+    leave()
+    try:
+        yield
+    finally:
+        enter(s)
 
 
 def settings(s: Any, seq: int, msg: list) -> None:
@@ -136,5 +176,5 @@ def settings(s: Any, seq: int, msg: list) -> None:
     def fail(name: str, why: str) -> None:
         s.fail("settings", f"the server could not set {name}: {why}", ())
 
-    with _lock:
-        _apply(s.settings, fail)
+    leave()  # sessions running under the old settings end their frames first
+    enter(s, fail)

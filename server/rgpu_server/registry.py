@@ -29,6 +29,7 @@ from rgpu_protocol.handshake import (
     valid_session_name,
 )
 
+from . import numerics
 from .session import Session
 
 log = logging.getLogger("rgpu_server")
@@ -234,7 +235,8 @@ class SessionRegistry:
         async def drop() -> None:
             self.drop(owner, name, "dropped by rgpu.drop_session")
 
-        asyncio.run_coroutine_threadsafe(drop(), self.loop).result(timeout=30)
+        with numerics.released():
+            asyncio.run_coroutine_threadsafe(drop(), self.loop).result(timeout=30)
 
     def drop(self, owner: str, name: str, why: str) -> None:
         s = self.find(owner, name)

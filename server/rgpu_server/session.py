@@ -210,6 +210,12 @@ class Session(SessionState):
 
     def _run_frame(self, frame: bytes, generation: int) -> None:
         numerics.enter(self)
+        try:
+            self._run_messages(frame, generation)
+        finally:
+            numerics.leave()
+
+    def _run_messages(self, frame: bytes, generation: int) -> None:
         for seq, spec, msg, action, resend, _ in self.stream.messages(frame, self._ext_hook):
             if action is _RUN:
                 self.current_seq = seq

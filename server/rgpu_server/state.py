@@ -17,7 +17,7 @@ import torch
 from rgpu_protocol import DEFAULT_SEED, Limits, Status
 from rgpu_protocol.server_stream import ServerStream
 
-from . import graphs
+from . import graphs, numerics
 from .devices import live_facts
 from .lane import DEFAULT_STAGE_LIMIT, ServerLane, StagedUploads
 from .poison import Poison
@@ -163,7 +163,8 @@ class SessionState:
 
     def deliver(self, frames: list) -> None:
         if self.send is not None:
-            self.send(frames)
+            with numerics.released():  # a slow client holds up no other session
+                self.send(frames)
 
     def reply(self, seq: int, status: Status, value: Any, data: list | None = None) -> None:
         self.deliver(self.stream.reply(seq, status, value, data))
