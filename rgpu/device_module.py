@@ -16,6 +16,7 @@ from rgpu_protocol import Kind
 from . import current as _cur
 from . import devices as _devices
 from .errors import RgpuError
+from .generator_refs import state_bytes, state_tensor
 
 
 def is_available() -> bool:
@@ -161,21 +162,14 @@ reset_peak_memory_stats = reset_max_memory_allocated = reset_accumulated_memory_
 def get_rng_state(device: object = None) -> torch.Tensor:
     """The device's generator state on its server, as a CPU uint8 tensor (one wait)."""
     sess, local = _on(device)
-    state = sess.request((Kind.RNG_GET,), device=local if _devices.MULTI else None)
-    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+    return state_tensor(sess.request((Kind.RNG_GET,), device=local if _devices.MULTI else None))
 
 
 def set_rng_state(new_state: torch.Tensor, device: object = None) -> None:
     """Restore a state from `get_rng_state` (no wait)."""
-    if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
-        # as torch.cuda.set_rng_state: a state cast from another dtype is not the state
-        got = new_state.dtype if isinstance(new_state, torch.Tensor) else type(new_state).__name__
-        raise TypeError(f"expected a torch.ByteTensor (uint8) from get_rng_state, but got {got}")
-    data = new_state.detach().cpu().contiguous()
+    data = state_bytes(new_state, "get_rng_state")
     sess, local = _on(device)
-    sess.post(
-        (Kind.RNG_SET, bytes(data.numpy().tobytes())), device=local if _devices.MULTI else None
-    )
+    sess.post((Kind.RNG_SET, data), device=local if _devices.MULTI else None)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:

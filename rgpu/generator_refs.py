@@ -11,6 +11,7 @@ import weakref
 from typing import Any
 
 import msgpack
+import torch
 
 from rgpu_protocol import EncodeError, generator_ext
 
@@ -30,3 +31,17 @@ def wire(obj: Any) -> msgpack.ExtType:
         )
     _, local = _devices.session_of(g._rgpu_index, None)
     return generator_ext(g._rgpu_id, local, g.initial_seed())
+
+
+def state_bytes(new_state: Any, source: str) -> bytes:
+    """A generator state (from `source`, named in the error) as the bytes the server sets."""
+    if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
+        # as torch.cuda.set_rng_state: a state cast from another dtype is not the state
+        got = new_state.dtype if isinstance(new_state, torch.Tensor) else type(new_state).__name__
+        raise TypeError(f"expected a torch.ByteTensor (uint8) from {source}, but got {got}")
+    return new_state.detach().cpu().contiguous().numpy().tobytes()
+
+
+def state_tensor(state: bytes) -> torch.Tensor:
+    """The server's reply to a state request as torch gives states: a CPU uint8 tensor."""
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8)

@@ -27,7 +27,7 @@ from rgpu_protocol import Kind
 
 from . import current as _cur
 from . import devices as _devices
-from .generator_refs import LIVE
+from .generator_refs import LIVE, state_bytes, state_tensor
 from .import_hooks import after_import
 from .tensor import DEVICE_TYPE
 
@@ -95,15 +95,10 @@ class RemoteGenerator(Generator):
     def get_state(self) -> torch.Tensor:
         """The server generator's state as a CPU uint8 tensor (one wait)."""
         session, _ = self._session()
-        state = session.request((Kind.GENERATOR_STATE, self))
-        return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+        return state_tensor(session.request((Kind.GENERATOR_STATE, self)))
 
     def set_state(self, new_state: torch.Tensor) -> RemoteGenerator:
-        if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
-            got = new_state.dtype if isinstance(new_state, torch.Tensor) else type(new_state)
-            raise TypeError(f"expected a torch.ByteTensor (uint8) from get_state, but got {got}")
-        data = new_state.detach().cpu().contiguous().numpy().tobytes()
-        self._tell(data)
+        self._tell(state_bytes(new_state, "get_state"))
         return self
 
     def __reduce__(self) -> tuple:  # pickle and copy.deepcopy: the same device and state

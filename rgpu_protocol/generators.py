@@ -17,7 +17,7 @@ import msgpack
 from .errors import ProtocolError
 
 EXT_GENERATOR = 13  # u64 generator id, u8 device index, u64 seed
-MAX_GENERATORS = 4096  # live generators in one session
+MAX_GENERATORS = 1024  # live generators in one session
 
 _GEN = struct.Struct("<QBQ")
 

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from rgpu_protocol import Status, byte_view
+from rgpu_protocol import Status
 
-from . import multidevice
+from . import multidevice, rng
 from .poison import describe
 from .state import SessionState
 
@@ -38,12 +38,12 @@ def info(s: SessionState, seq: int, msg: list) -> None:
 
 def rng_get(s: SessionState, seq: int, msg: list) -> None:
     if not s.error_pending(seq):
-        s.reply(seq, Status.OK, bytes(byte_view(s.generator.get_state())))
+        s.reply(seq, Status.OK, rng.state_of(s.generator))
 
 
 def rng_set(s: SessionState, seq: int, msg: list) -> None:
     try:
-        s.generator.set_state(torch.frombuffer(bytearray(msg[1]), dtype=torch.uint8))
+        rng.set_state(s.generator, msg[1])
     except RuntimeError as e:
         s.fail("set_rng_state", describe(e), ())
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from rgpu_protocol import MAX_GENERATORS, GeneratorRef, ProtocolError, Status, byte_view
+from rgpu_protocol import MAX_GENERATORS, GeneratorRef, ProtocolError, Status
 
+from . import rng
 from .poison import Poison, describe
 from .state import SessionState
 
@@ -61,7 +62,7 @@ def generator(s: SessionState, seq: int, msg: list) -> None:
         if type(value) is int:
             g.manual_seed(value & 0xFFFF_FFFF_FFFF_FFFF)
         else:
-            g.set_state(torch.frombuffer(bytearray(value), dtype=torch.uint8))
+            rng.set_state(g, value)
     except RuntimeError as e:
         s.fail("Generator.set_state" if type(value) is bytes else "Generator.manual_seed",
                describe(e), ())  # fmt: skip
@@ -75,4 +76,4 @@ def state(s: SessionState, seq: int, msg: list) -> None:
     if not isinstance(g, torch.Generator):
         s.reply(seq, Status.ERROR, ["Generator.get_state", "not a generator reference"])
         return
-    s.reply(seq, Status.OK, bytes(byte_view(g.get_state())))
+    s.reply(seq, Status.OK, rng.state_of(g))

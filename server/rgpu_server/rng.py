@@ -13,7 +13,19 @@ from collections.abc import Iterator
 
 import torch
 
+from rgpu_protocol import byte_view
+
 _swap_lock = threading.Lock()  # guards the process-wide default generator during a swap
+
+
+def state_of(generator: torch.Generator) -> bytes:
+    """A generator's state as the wire carries it (RNG_GET, GENERATOR_STATE)."""
+    return bytes(byte_view(generator.get_state()))
+
+
+def set_state(generator: torch.Generator, state: bytes) -> None:
+    """Set a state the client sent (RNG_SET, GENERATOR); RuntimeError if torch refuses it."""
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
 def default_generator(device: torch.device) -> torch.Generator:
