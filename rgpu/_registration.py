@@ -31,6 +31,7 @@ from . import (
     distributed,
     generators,
     host_memory,
+    lazy_modules,
     module_moves,
     nested_ops,
     numerics,
@@ -109,6 +110,7 @@ def register() -> None:
     autocast.install()
     host_memory.install()
     module_moves.install()
+    lazy_modules.install()
     distributed.install()
     torch_load.install()
     backward_errors.install()

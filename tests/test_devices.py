@@ -137,6 +137,9 @@ def test_device_contexts_and_lazy_modules_after_a_device_switch(devs):
         torch.set_default_device(None)
     assert torch.tensor([1.0]).device.type == "cpu"
 
+    fresh = torch.nn.LazyLinear(3).to("rgpu")  # uninitialized: bound for the current device
+    fresh(torch.ones(2, 4, device="rgpu"))
+    assert fresh.weight.device == fresh.bias.device == torch.device("rgpu", 1)
     lazy = torch.nn.LazyLinear(3).to(torch.float64)  # `to` of an uninitialized parameter
     assert lazy(torch.ones(2, 4, dtype=torch.float64)).dtype == torch.float64
     lazy.to("rgpu")
