@@ -4,8 +4,8 @@ first forward: `model.to("rgpu")`, and `device="rgpu"` at construction.
 Why: PyTorch keeps a lazy module's parameter as an empty tensor of a subclass of its own
 (`UninitializedParameter`) until the first forward gives it a shape, and materializes it in
 place, on the device of that empty tensor. An rgpu tensor is a wrapper subclass, which such an
-empty tensor cannot be. So the empty tensor stays on the CPU and remembers the rgpu device (and
-dtype) it was moved to; the first forward materializes and initializes it on the CPU, as the
+empty tensor cannot be. So the empty tensor stays on the CPU (in the dtype it was moved to) and
+remembers the rgpu device; the first forward materializes and initializes it on the CPU, as the
 module's own `reset_parameters` does it there, and then moves it to that device. The module's
 parameter is a new object after that first forward (CUDA keeps the same): PyTorch asks for an
 optimizer to be made after the first forward of a lazy module anyway.
@@ -21,7 +21,7 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, Unin
 
 from .tensor import DEVICE_TYPE
 
-_TARGET = "_rgpu_target"  # (device, dtype or None) an uninitialized tensor is bound for
+_TARGET = "_rgpu_target"  # the rgpu device an uninitialized tensor is bound for
 _installed = False
 
 
@@ -54,7 +54,7 @@ def _moved(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     if dtype is not None and dtype != self.dtype:
         out = _original_torch_function.__func__(cls, torch.Tensor.to, (cls,), (self, dtype), {})
     for t in (self, out):  # Module._apply keeps the parameter and sets its .data to `out`
-        setattr(t, _TARGET, (target, dtype))
+        setattr(t, _TARGET, target)
     return out
 
 
@@ -78,10 +78,20 @@ def _new(original: Any) -> Any:
         else:
             kwargs["device"] = None
         t = original(cls, *args, **kwargs)
-        setattr(t, _TARGET, (target, None))
+        setattr(t, _TARGET, target)
         return t
 
     return __new__
+
+
+def _copied(original: Any) -> Any:
+    def __deepcopy__(self: Any, memo: dict) -> Any:  # copy.deepcopy(model) before its forward
+        out = original(self, memo)
+        if hasattr(self, _TARGET):
+            setattr(out, _TARGET, getattr(self, _TARGET))
+        return out
+
+    return __deepcopy__
 
 
 def _materialized_then_moved(original: Any) -> Any:
@@ -90,7 +100,7 @@ def _materialized_then_moved(original: Any) -> Any:
 
     def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
         bound = [
-            (table, name, getattr(t, _TARGET)[0])
+            (table, name, getattr(t, _TARGET))
             for table in (self._parameters, self._buffers)
             for name, t in table.items()
             if isinstance(t, UninitializedTensorMixin) and hasattr(t, _TARGET)
@@ -121,5 +131,6 @@ def install() -> None:
     UninitializedTensorMixin.__torch_function__ = classmethod(_torch_function)  # type: ignore[assignment]
     for cls in (UninitializedParameter, UninitializedBuffer):
         cls.__new__ = _new(cls.__new__)  # type: ignore[method-assign]
+        cls.__deepcopy__ = _copied(cls.__deepcopy__)  # type: ignore[method-assign]
     for name in ("_infer_parameters", "_lazy_load_hook"):
         setattr(LazyModuleMixin, name, _materialized_then_moved(getattr(LazyModuleMixin, name)))

@@ -6,6 +6,8 @@ initializes them."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -61,6 +63,18 @@ def test_a_lazy_module_moved_with_a_dtype_takes_it(dev):
     torch.manual_seed(0)
     got = remote(x.to(dev))
     assert remote.weight.dtype == torch.float64 and remote.weight.device.type == "rgpu"
+    assert torch.equal(got.detach().cpu(), want.detach())
+
+
+def test_a_copy_of_a_lazy_module_moved_to_rgpu_lands_there_too(dev):
+    moved = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2)).to(dev)
+    twin = copy.deepcopy(moved)  # PyTorch copies no lazy buffer before the forward
+    x = torch.randn(3, 5)
+    torch.manual_seed(0)
+    want = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))(x)
+    torch.manual_seed(0)
+    got = twin(x.to(dev))
+    assert all(p.device.type == "rgpu" for p in twin.parameters())
     assert torch.equal(got.detach().cpu(), want.detach())
 
 
