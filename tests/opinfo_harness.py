@@ -29,8 +29,12 @@ torch_testing = pytest.importorskip("torch.testing._internal.common_methods_invo
 op_db = torch_testing.op_db
 # Each time an op's samples are drawn, torch looks up the stack for a unittest.TestCase to seed
 # from (`extract_test_fn`: inspect.stack(), which reads every frame's source). Under pytest there
-# is none, so the answer is always None; asking took 60% of an OpInfo sweep's time.
-pytest.importorskip("torch.testing._internal.common_utils").extract_test_fn = lambda: None
+# is none, so the answer is always None; asking took 60% of an OpInfo sweep's time. The OpInfo
+# core imports the function by name, so it is replaced there too.
+for _module in ("common_utils", "opinfo.core"):
+    _loaded = pytest.importorskip(f"torch.testing._internal.{_module}")
+    if hasattr(_loaded, "extract_test_fn"):
+        _loaded.extract_test_fn = lambda: None
 
 SAMPLES = os.environ.get("RGPU_CONFORMANCE_SAMPLES", "4")
 SEED = os.environ.get("RGPU_CONFORMANCE_SEED", "0")
