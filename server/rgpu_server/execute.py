@@ -14,6 +14,7 @@ import torch
 from rgpu_protocol import MAX_DYNAMIC_OUTPUTS, Kind, ProtocolError, Status, TensorMeta
 
 from . import rng
+from .bindings import by_types
 from .ops import OpRefused, resolve
 from .ops import _cache as _resolved
 from .poison import Poison, describe
@@ -60,8 +61,15 @@ def run(s: SessionState, seq: int, msg: list) -> None:
         # the hot path: one output, nothing to check, no quota
         resolved = _resolved.get(name) if type(name) is str else None
         if resolved is not None and resolved.plain:
+            if kwargs:
+                fn = resolved.call
+            else:
+                key = tuple(map(type, args))
+                fn = resolved.by_types.get(key)
+                if fn is None:
+                    fn = by_types(resolved, args, key)
             try:
-                result = resolved.call(*args, **kwargs) if kwargs else resolved.call(*args)
+                result = fn(*args, **kwargs) if kwargs else fn(*args)
             except Exception as e:
                 s.fail(resolved.label, describe(e), [*outs, *s.written_ids(resolved, args, kwargs)])
                 return

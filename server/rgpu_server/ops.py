@@ -7,7 +7,7 @@ looked up on the aten namespace, and must come back as an `OpOverload`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -99,6 +99,7 @@ class ResolvedOp:
     call: Any = None  # the C++ callable behind `op` (skips OpOverload.__call__'s Python frame)
     plain: bool = False  # no generator to inject, no RNG state to swap: call it directly
     generator_pos: int = -1  # the generator's position where it is not keyword-only (poisson)
+    by_types: dict = field(default_factory=dict)  # argument types -> what to call (bindings.py)
 
 
 _cache: dict[str, ResolvedOp] = {}

@@ -39,6 +39,7 @@ from rgpu_protocol import (
     SlotView,
 )
 
+from .bindings import for_slots
 from .execute import cancel as cancel_message
 from .execute import run, store
 from .ops import OpRefused, resolve
@@ -61,7 +62,7 @@ class SeqOp:
     """One op of a sequence, prepared: its resolved operator and where the run's values go."""
 
     __slots__ = ("name", "resolved", "args", "kwargs", "fills", "copies", "outs", "expect",
-                 "nparams", "ninputs", "fast", "single", "simple", "one_tensor")  # fmt: skip
+                 "nparams", "ninputs", "fast", "single", "simple", "one_tensor", "call")  # fmt: skip
 
     def __init__(self, raw: Any) -> None:
         if type(raw) is not list or len(raw) != 5:
@@ -112,6 +113,7 @@ class SeqOp:
         if self.fast and all(f[0] == 0 and f[2] < 0 and f[3] <= _INPUT and f[5] is None
                              for f in self.fills):  # fmt: skip
             self.simple = tuple((f[1], f[3], f[4]) for f in self.fills)
+        self.call = None if self.simple is None else for_slots(r, args, kwargs, self.simple)
 
     def _fill(self, where: int, key: Any, k: int, value: Any, params: list) -> bool:
         t = type(value)
@@ -296,7 +298,7 @@ def replay(s: SessionState, seq: int, msg: list) -> None:
                     resolved = op.resolved
                     kwargs = op.kwargs
                     try:
-                        result = resolved.call(*args, **kwargs) if kwargs else resolved.call(*args)
+                        result = op.call(*args, **kwargs) if kwargs else op.call(*args)
                     except Exception as e:
                         _fail_simple(s, op, base, inputs, args, e)
                         continue

@@ -56,7 +56,7 @@ def build(ops: list, start: int, end: int) -> Any:
     for k in range(start, end):
         op = ops[k]
         i = k - start
-        ns[f"f{i}"] = op.resolved.call
+        ns[f"f{i}"] = op.call
         args = [None] * len(op.args)
         for pos, value in enumerate(op.args):
             ns[f"c{i}_{pos}"] = value
