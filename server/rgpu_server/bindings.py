@@ -1,15 +1,16 @@
-"""PyTorch's generated Python bindings as the callables of replayed ops, where provably the same.
+"""PyTorch's generated Python bindings as the callables of ops, where provably the same call.
 
 Why: an `OpOverload`'s C++ callable (`op._op`) matches its arguments against the schema at every
 call, boxed; the generated binding of the same operator (`torch.add`, `Tensor.view`) parses them
 with code written for it, about a microsecond less per call on a small op: on a GPU host, that
-is a large part of what a replayed op costs the server beyond its kernel.
+is a large part of what an op costs the server beyond its kernel.
 
 A binding is only used where it hands the dispatcher exactly the call the overload would get. That
 is proved, not assumed: both are called once on stand-in meta tensors under a dispatch mode that
 records the first call reaching it and stops it there (no kernel runs), and the two records must
 be equal (the same overload, the same arguments, each stand-in in the same place). The Python
-argument parser picks an overload by the Python types of the arguments alone, so the proof holds
+argument parser picks an overload by the Python types of the arguments and by whether a tensor
+is 0-dim (one also fits a Scalar parameter); the proof covers every tensor both ways, so it holds
 for every later call whose arguments have the same types: the answer is kept per overload and
 argument types.
 """
@@ -21,13 +22,12 @@ from typing import Any
 
 import torch
 
-# RGPU_BINDINGS=0 calls every op through its OpOverload's callable
-ENABLED = os.environ.get("RGPU_BINDINGS", "1") != "0"
 _MAX_KEYS = 4096
 _MAX_TYPES_PER_OP = 64
 _CONTAINERS = (list, tuple, dict)
 _MAX_TENSORS = 4  # each tensor doubles the proof's cases (0-dim or not)
 _found: dict[tuple, Any] = {}  # (overload, argument types) -> the binding, or None
+_STAND_IN = torch.empty(0, device="meta")
 
 
 class _Stop(Exception):
@@ -59,6 +59,15 @@ def _record(fn: Any, args: tuple, kwargs: dict) -> tuple | None:
     finally:
         torch._C._pop_torch_dispatch_stack(None)
     return None  # reached no kernel through the dispatcher: nothing to compare
+
+
+def _proof_runs() -> bool:
+    """Whether this torch takes a plain recording object on its dispatch-mode stack (private
+    API): without it no binding is ever proved, and every op keeps its own callable."""
+    try:
+        return _record(torch._C._VariableFunctions.neg, (_STAND_IN,), {}) is not None
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -157,7 +166,8 @@ def binding(op: torch._ops.OpOverload, args: tuple | list, kwargs: dict | None) 
     return chosen
 
 
-_STAND_IN = torch.empty(0, device="meta")
+# RGPU_BINDINGS=0 calls every op through its OpOverload's callable
+ENABLED = os.environ.get("RGPU_BINDINGS", "1") != "0" and _proof_runs()
 
 
 def for_slots(resolved: Any, args: list, kwargs: dict | None, slots: Any) -> Any:
