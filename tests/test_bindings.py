@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from rgpu_server import bindings
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -157,3 +158,18 @@ def test_runs_and_replayed_ops_call_the_proved_binding_and_lists_the_ops_own():
     # an op the server runs with a kernel of its own keeps it
     lstm = resolve("lstm.input")
     assert bindings.by_types(lstm, [x], (torch.Tensor,)) is lstm.call is not lstm.op._op
+
+
+def test_past_its_caps_an_op_keeps_its_own_callable_and_proves_nothing(monkeypatch):
+    from rgpu_server.ops import ResolvedOp, resolve
+
+    x = torch.zeros(2)
+    mul = resolve("mul.Tensor")
+    fresh = ResolvedOp(mul.op, mul.label, False, False, (), call=mul.call, plain=True)
+    monkeypatch.setattr(bindings, "_MAX_TYPES_PER_OP", 0)
+    assert bindings.by_types(fresh, [x, 2.0], (torch.Tensor, float)) is mul.call
+    assert fresh.by_types == {}
+    monkeypatch.setattr(bindings, "_found", {})
+    monkeypatch.setattr(bindings, "_MAX_KEYS", 0)
+    monkeypatch.setattr(bindings, "_proved", lambda *a: pytest.fail("proved past the cap"))
+    assert bindings.binding(aten.mul.Tensor, (x, 2.0), {}) is None

@@ -154,6 +154,8 @@ def binding(op: torch._ops.OpOverload, args: tuple | list, kwargs: dict | None) 
         return None
     if hit is not _found:
         return hit
+    if len(_found) >= _MAX_KEYS:  # no room to keep another answer: no proof made every call
+        return None
     n = _count(tuple(args)) + _count(tuple(kwargs.values()))
     chosen = None
     if n <= _MAX_TENSORS:
@@ -161,8 +163,7 @@ def binding(op: torch._ops.OpOverload, args: tuple | list, kwargs: dict | None) 
             if _proved(op, fn, tuple(args), kwargs, n):
                 chosen = fn
                 break
-    if len(_found) < _MAX_KEYS:
-        _found[key] = chosen
+    _found[key] = chosen
     return chosen
 
 
@@ -186,8 +187,9 @@ def by_types(resolved: Any, args: list, key: tuple) -> Any:
     (`key`: their types), kept in `resolved.by_types`. Arguments holding lists are left to the
     op's own callable: the key would have to look inside them, on every call."""
     fn = resolved.call
+    if len(resolved.by_types) >= _MAX_TYPES_PER_OP:  # no room to keep the answer: its own
+        return fn
     if ENABLED and fn is resolved.op._op and not any(t in _CONTAINERS for t in key):
         fn = binding(resolved.op, args, None) or fn
-    if len(resolved.by_types) < _MAX_TYPES_PER_OP:
-        resolved.by_types[key] = fn
+    resolved.by_types[key] = fn
     return fn
