@@ -1,10 +1,11 @@
-"""Replayed ops call PyTorch's generated bindings only where those make the overload's own call.
+"""Ops call PyTorch's generated bindings only where those make the overload's own call.
 
 rgpu_server.bindings proves a binding equivalent per overload and argument types (the two calls
 must reach the dispatcher identically). A wrong proof would run another overload, or convert an
 argument differently, with no error: these tests run the binding and the overload's own callable
-side by side on every aten call PyTorch's OpInfo samples make on the CPU, and on the cases where a
-binding must not be taken, and a replayed sequence end to end.
+side by side on every aten call PyTorch's OpInfo samples make on the CPU, check the cases where a
+binding must not be taken, and which callable a RUN and a replayed op get. End to end, the
+conformance tests run every OpInfo op through a real server with bindings on.
 """
 
 from __future__ import annotations
