@@ -44,6 +44,7 @@ from .datadirs import DataRoots
 from .devices import device_name
 from .durable import DurableStore
 from .lane import ServerLane, serve_lane
+from .outbox import Outbox
 from .registry import SessionRegistry
 from .session import Session
 
@@ -265,16 +266,7 @@ class RgpuServer:
             await opened.evict.close(CloseCode.TAKEN_OVER, "another client took the session over")
         loop = asyncio.get_running_loop()
 
-        async def send_frames(frames: list) -> None:
-            for f in frames:
-                await ws.send(f)
-
-        def send(frames: list) -> None:  # called from the session's worker thread
-            fut = asyncio.run_coroutine_threadsafe(send_frames(frames), loop)
-            try:
-                fut.result()
-            except Exception:
-                pass  # the connection is gone; the reader side detaches the session
+        send = Outbox(ws, loop).send  # called from the session's worker thread
 
         def on_protocol_error(reason: str) -> None:
             asyncio.run_coroutine_threadsafe(ws.close(CloseCode.PROTOCOL_ERROR, reason[:120]), loop)
