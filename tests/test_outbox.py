@@ -156,3 +156,30 @@ def test_frames_for_a_closed_connection_are_dropped_without_blocking(server):
     for f in _frames(100, 64 << 10):  # 6.4 MB, past the limit
         outbox.send([f])
     assert time.monotonic() - start < 15
+
+
+def test_flushed_waits_for_what_is_queued():
+    """A shutdown closes the connection only after the replies the worker sent."""
+    server = Server(limit=64 << 20)
+    client = RawClient(server.port)
+    try:
+        assert server.ready.wait(10)
+        outbox = server.outboxes[0]
+        sent = _frames(40, 256 << 10)  # 10 MB: past the socket buffers, under this outbox's limit
+        for f in sent:
+            outbox.send([f])
+
+        def flushed(timeout: float) -> float:
+            start = time.monotonic()
+            asyncio.run_coroutine_threadsafe(outbox.flushed(timeout), server.loop).result(30)
+            return time.monotonic() - start
+
+        assert flushed(0.5) >= 0.5  # the client reads nothing: frames are still queued
+        reader = threading.Thread(target=client.read, args=(len(sent), 20))
+        reader.start()
+        assert flushed(20) < 15  # the client reads: every frame gets written
+        reader.join(20)
+    finally:
+        client.sock.close()
+        server.close()
+    assert client.messages == [_whole(f) for f in sent]

@@ -103,6 +103,7 @@ class RgpuServer:
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: set[ServerConnection] = set()
+        self._outboxes: dict[ServerConnection, Outbox] = {}
         self._closing = False
         self._lanes: set[ServerLane] = set()
         self.server_id = secrets.token_bytes(8)  # lets a client see two URLs are one server
@@ -194,6 +195,9 @@ class RgpuServer:
         for lane in list(self._lanes):
             lane.close()
         for ws in list(self._connections):
+            outbox = self._outboxes.get(ws)
+            if outbox is not None:
+                await outbox.flushed(5)
             await ws.close(
                 CloseCode.GOING_AWAY, "rgpu-server is shutting down; its tensors are gone"
             )
@@ -266,10 +270,15 @@ class RgpuServer:
             await opened.evict.close(CloseCode.TAKEN_OVER, "another client took the session over")
         loop = asyncio.get_running_loop()
 
-        send = Outbox(ws, loop).send  # called from the session's worker thread
+        outbox = Outbox(ws, loop)
+        send = outbox.send  # called from the session's worker thread
+
+        async def close_after_replies(reason: str) -> None:
+            await outbox.flushed(5)  # the error reply the worker sent goes out first
+            await ws.close(CloseCode.PROTOCOL_ERROR, reason[:120])
 
         def on_protocol_error(reason: str) -> None:
-            asyncio.run_coroutine_threadsafe(ws.close(CloseCode.PROTOCOL_ERROR, reason[:120]), loop)
+            asyncio.run_coroutine_threadsafe(close_after_replies(reason), loop)
 
         # the WELCOME goes out before this connection can receive any reply
         limits = self.config.limits
@@ -299,6 +308,7 @@ class RgpuServer:
         if old_ws is not None and old_ws is not ws:
             await old_ws.close(CloseCode.SUPERSEDED, "the session resumed on a newer connection")
         self._connections.add(ws)
+        self._outboxes[ws] = outbox
         if resumed:
             log.info("session %s resumed by %s at message %d", session.hex, peer, session.last_seq)
         elif not opened.attached:
@@ -337,6 +347,7 @@ class RgpuServer:
             pass
         finally:
             self._connections.discard(ws)
+            self._outboxes.pop(ws, None)
             self._connection_ended(ws, session, generation, peer)
 
     def _connection_ended(self, ws: ServerConnection, session: Session, generation: int, peer: str):

@@ -7,14 +7,18 @@ reply, about a third of a `synchronize()` round trip. Here the worker queues the
 `call_soon_threadsafe` and goes on; the loop writes them at once through the websocket's sans-I/O
 protocol when nothing is in the way (no fragmented send in progress, the transport not paused,
 the connection open, no frame given as a list of parts), else in order through the websocket's
-own `send`, which sends a list as one fragmented message and waits for the transport to drain. The worker blocks only while more than `limit` bytes are queued and not yet
-written: a client that stops reading still holds the worker back, as before.
+own `send`, which sends a list as one fragmented message and waits for the transport to drain.
+
+The worker blocks only while more than `limit` bytes are queued and not yet written: a client
+that stops reading still holds the worker back, as before. A close the server makes waits for
+`flushed` first, so the replies the worker queued before it go out before the close.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -57,6 +61,13 @@ class Outbox:
                 while self._queued > self._limit and not self._loop.is_closed():
                     self._cond.wait(0.5)
                 self._waiting = False
+
+    async def flushed(self, timeout: float) -> None:
+        """Wait, on the loop, until every frame handed over is written or dropped (a shutdown
+        closes the connection only after the replies to the work it let finish)."""
+        deadline = time.monotonic() + timeout
+        while self._queued > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def _written(self, size: int) -> None:
         with self._cond:
