@@ -6,6 +6,7 @@ from the machine's noise.
 Each commit is checked out in a temporary git worktree. Rounds alternate between the two (A first, then B first): a
 fresh process imports that tree's rgpu, starts its embedded CPU server, and times 7 repeats of
 5,000 `x = x + 1` on 16 floats plus one `.item()` (wall time and client CPU time per op), then
+5 repeats of 500 empty `torch.rgpu.synchronize()` (a round trip each, wall time), then
 5 repeats of 200 steps of bench_core's MLP (Linear(16,32)-ReLU-Linear(32,1), batch 64, SGD, the
 loss read every 10 steps), then (with transformers installed) bench_hf's Llama training step
 (client CPU, wall and messages per step). The summary compares the medians of the best four (per-op) and best
@@ -46,6 +47,12 @@ for _ in range(7):
         x = x + 1
     x.sum().item()
     out.append([(time.perf_counter() - t0) / 5000 * 1e6, (time.process_time() - c0) / 5000 * 1e6])
+sync = []  # round trips: an empty synchronize() waits for the server's reply
+for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(500):
+        torch.rgpu.synchronize()
+    sync.append((time.perf_counter() - t0) / 500 * 1e6)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to("rgpu")
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -93,7 +100,7 @@ if transformers is not None:  # bench_hf's Llama: client CPU, wall and messages 
         llama.append([(time.process_time() - c0) / 4 * 1e3, (time.perf_counter() - t0) / 4 * 1e3,
                       (rgpu.stats()["messages"] - m0) / 4])
 rgpu.disconnect()
-print(json.dumps({"op": out, "mlp_ms": mlp, "llama": llama}))
+print(json.dumps({"op": out, "sync_us": sync, "mlp_ms": mlp, "llama": llama}))
 """
 
 
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             walls = [statistics.median(sorted(w for w, _ in run["op"])[:4]) for run in runs]
             cpus = [statistics.median(sorted(c for _, c in run["op"])[:4]) for run in runs]
             mlps = [statistics.median(sorted(run["mlp_ms"])[:3]) for run in runs]
+            syncs = [statistics.median(sorted(run["sync_us"])[:3]) for run in runs]
             doc["revisions"][rev] = {
                 "wall_us_per_op_by_round": walls,
                 "client_cpu_us_per_op_by_round": cpus,
@@ -149,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 "median_client_cpu_us_per_op": statistics.median(cpus),
                 "mlp_ms_per_step_by_round": mlps,
                 "median_mlp_ms_per_step": statistics.median(mlps),
+                "sync_us_by_round": syncs,
+                "median_sync_us": statistics.median(syncs),
             }
             if all(run.get("llama") for run in runs):  # transformers installed
                 cpu_ms = [statistics.median(sorted(c for c, _, _ in run["llama"])[:3])
@@ -171,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["mlp_ratio_b_over_a"] = (
             revs[1]["median_mlp_ms_per_step"] / revs[0]["median_mlp_ms_per_step"]
         )
+        doc["sync_ratio_b_over_a"] = revs[1]["median_sync_us"] / revs[0]["median_sync_us"]
         emit(doc, args.out)
     finally:
         for path in trees.values():

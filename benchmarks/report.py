@@ -39,7 +39,7 @@ SUITE: dict[str, tuple[str, list[str]]] = {
     "latency": ("ours", ["bench_latency.py", "--compression"]),
     "files": ("ours", ["bench_files.py"]),
     "hf": ("ours", ["bench_hf.py"]),
-    "ab": ("ours", ["ab_per_op.py", "7b6ef75", "HEAD", "--rounds", "3"]),
+    "ab": ("ours", ["ab_per_op.py", "965c006", "HEAD", "--rounds", "3"]),
     "devices": ("ours", ["bench_devices.py"]),
     "replay": ("ours", ["bench_replay.py"]),
     "published-core": ("published", ["bench_published.py"]),

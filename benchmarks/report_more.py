@@ -208,6 +208,11 @@ def section_ab(doc: dict[str, Any]) -> list[str]:
         f"| MLP step ms | {ra['median_mlp_ms_per_step']:.3f} | {rb['median_mlp_ms_per_step']:.3f} "
         f"| {doc['mlp_ratio_b_over_a']:.3f} |",
     ]
+    if "sync_ratio_b_over_a" in doc:
+        lines.append(
+            f"| `synchronize()` round trip µs | {ra['median_sync_us']:.0f} | "
+            f"{rb['median_sync_us']:.0f} | {doc['sync_ratio_b_over_a']:.3f} |"
+        )
     if "llama_cpu_ratio_b_over_a" in doc:
         lines.append(
             f"| Llama training step, client CPU ms "
