@@ -45,6 +45,7 @@ class Outbox:
         self._waiting = False
         self._backlog: deque = deque()  # frames behind a slow send, in order (loop thread only)
         self._draining = False
+        self._drain_task: asyncio.Task | None = None
 
     def send(self, frames: list) -> None:
         size = sum(len(f) if type(f) is not list else sum(map(len, f)) for f in frames)
@@ -88,8 +89,8 @@ class Outbox:
             self._backlog.append((frames, size))
             if not self._draining:
                 self._draining = True
-                self._loop.create_task(self._drain())
-            return
+                self._drain_task = self._loop.create_task(self._drain())  # held: the loop
+            return  # keeps only a weak reference to a task
         try:
             for f in frames:
                 ws.protocol.send_binary(f)
