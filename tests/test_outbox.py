@@ -152,10 +152,16 @@ def test_frames_for_a_closed_connection_are_dropped_without_blocking(server):
         assert server.ready.wait(10)
         outbox = server.outboxes[0]
     time.sleep(0.3)
-    start = time.monotonic()
-    for f in _frames(100, 64 << 10):  # 6.4 MB, past the limit
-        outbox.send([f])
-    assert time.monotonic() - start < 15
+    worker = threading.Thread(  # 6.4 MB, past the limit
+        target=lambda: [outbox.send([f]) for f in _frames(100, 64 << 10)], daemon=True
+    )
+    worker.start()
+    worker.join(15)
+    assert not worker.is_alive(), "the worker waits on frames that can never be written"
+    deadline = time.monotonic() + 5
+    while outbox._queued and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert outbox._queued == 0  # every frame was dropped, none is still counted as queued
 
 
 def test_flushed_waits_for_what_is_queued():

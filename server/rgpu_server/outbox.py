@@ -45,8 +45,7 @@ class Outbox:
         self._queued = 0  # bytes handed to the loop and not yet written (or dropped)
         self._waiting = False
         self._backlog: deque = deque()  # frames behind a slow send, in order (loop thread only)
-        self._draining = False
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None  # held: the loop keeps only a weak ref
 
     def send(self, frames: list) -> None:
         size = sum(len(f) if type(f) is not list else sum(map(len, f)) for f in frames)
@@ -88,10 +87,9 @@ class Outbox:
             or any(type(f) is list for f in frames)  # a fragmented message: the slow path
         ):
             self._backlog.append((frames, size))
-            if not self._draining:
-                self._draining = True
-                self._drain_task = self._loop.create_task(self._drain())  # held: the loop
-            return  # keeps only a weak reference to a task
+            if self._drain_task is None or self._drain_task.done():
+                self._drain_task = self._loop.create_task(self._drain())
+            return
         try:
             for f in frames:
                 ws.protocol.send_binary(f)
@@ -102,16 +100,13 @@ class Outbox:
             self._written(size)
 
     async def _drain(self) -> None:
-        try:
-            while self._backlog:
-                frames, size = self._backlog[0]
-                try:
-                    for f in frames:
-                        await self._ws.send(f)
-                except Exception:
-                    pass  # as above: the connection is gone
-                finally:
-                    self._backlog.popleft()
-                    self._written(size)
-        finally:
-            self._draining = False
+        while self._backlog:
+            frames, size = self._backlog[0]
+            try:
+                for f in frames:
+                    await self._ws.send(f)
+            except Exception:
+                pass  # as above: the connection is gone
+            finally:
+                self._backlog.popleft()
+                self._written(size)
